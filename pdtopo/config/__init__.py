@@ -1,0 +1,1 @@
+"""Config access: locating conf/, composing it with Hydra, typed schema."""

@@ -1,0 +1,1 @@
+"""Launcher: composed config -> plan -> run directory -> supervisord, plus status/stop/diff."""

@@ -1,0 +1,1 @@
+"""pdtopo runtime: serving engine, bootstrap server and PD disaggregation, one process each."""

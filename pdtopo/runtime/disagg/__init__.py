@@ -1,0 +1,1 @@
+"""PD disaggregation: KVPoll, the 4-tuple ABC, the JAX transfer engine, side channel, mixins."""

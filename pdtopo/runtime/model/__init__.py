@@ -1,0 +1,1 @@
+"""Llama-family model in JAX, weight loading and tokenizers."""
