@@ -1,0 +1,141 @@
+"""Typed schema of the topology DSL and proxy config group (OmegaConf structured configs).
+
+`conf/topology/*.yaml` is merged onto `TopologySchema` and `conf/proxy/*.yaml` onto
+`ProxySchema`; that merge type-checks every value and rejects unknown keys. The dataclasses are
+also registered in Hydra's ConfigStore (group `schema`) so tools can look them up by name.
+`typed_topology(cfg)` / `typed_proxy(cfg)` are what the planner calls; they raise
+`TopologyError` naming the offending key and value. Semantic checks (chips, ports, accelerator
+splits) live in `pdtopo.launcher.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+MODES = ("pd", "colocated", "local")
+PLATFORMS = ("tpu", "cpu")
+PROXY_KINDS = ("rust", "mini_lb")
+PORT_KINDS = ("http", "transfer", "zmq")
+
+
+class TopologyError(ValueError):
+    """A topology/config value that cannot be planned or launched.
+
+    `key` is the full config key (e.g. `topology.prefill.chips`), `value` the offending value.
+    """
+
+    def __init__(self, key: str, value: Any, message: str) -> None:
+        self.key = key
+        self.value = value
+        self.message = message
+        super().__init__(f"{key}={value!r}: {message}")
+
+
+@dataclass
+class HostSchema:
+    name: str = "localhost"
+    address: str = "127.0.0.1"
+
+
+@dataclass
+class PlacementSchema:
+    """Where a singleton program (bootstrap server, proxy) runs and listens."""
+
+    host: str = "localhost"
+    port: int = 8998
+    prometheus_port: int | None = None
+
+
+@dataclass
+class PortBasesSchema:
+    http_base: int = 30000
+    transfer_base: int = 31000
+    zmq_base: int = 32000
+    tpu_process_base: int = 8476
+
+
+@dataclass
+class RoleEngineSchema:
+    """Per-role engine values that P and D must agree on (null = use `engine.*`)."""
+
+    page_size: int | None = None
+    kv_dtype: str | None = None
+
+
+@dataclass
+class RoleSchema:
+    """One server role (prefill, decode or colocated)."""
+
+    instances: int = 1
+    chips_per_instance: int = 1
+    chips: list[list[int]] | None = None
+    mesh: dict[str, int] = field(default_factory=lambda: {"tp": 1})
+    host: str | None = None
+    # instance index -> {http|transfer|zmq: port}; replaces base + k for that instance
+    port_overrides: dict[str, dict[str, int]] = field(default_factory=dict)
+    engine: RoleEngineSchema = field(default_factory=RoleEngineSchema)
+
+
+@dataclass
+class TopologySchema:
+    name: str = "unnamed"
+    mode: str = "pd"
+    platform: str = "cpu"
+    accelerator: str = "cpu-2"
+    hosts: list[HostSchema] = field(default_factory=lambda: [HostSchema()])
+    bootstrap: PlacementSchema = field(default_factory=PlacementSchema)
+    proxy: PlacementSchema = field(
+        default_factory=lambda: PlacementSchema(port=8000, prometheus_port=29100)
+    )
+    ports: PortBasesSchema = field(default_factory=PortBasesSchema)
+    prefill: RoleSchema = field(default_factory=RoleSchema)
+    decode: RoleSchema = field(default_factory=RoleSchema)
+    colocated: RoleSchema = field(default_factory=RoleSchema)
+
+
+@dataclass
+class ProxySchema:
+    kind: str = "rust"
+    policy: str = "round_robin"
+    decode_policy: str = "round_robin"
+    api_key: str | None = None
+    request_timeout_s: int = 600
+    health_check_interval_s: int = 10
+
+
+def _typed(schema: type, node: Any, prefix: str) -> Any:
+    if node is None:
+        raise TopologyError(prefix, None, "missing config section")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        full = f"{prefix}.{key}" if key else prefix
+        value = getattr(exc, "value", None)
+        if value is None and isinstance(node, DictConfig) and key:
+            value = OmegaConf.select(node, key, default=None, throw_on_missing=False)
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TopologyError(full, value, f"invalid value or unknown key ({reason})") from None
+
+
+def typed_topology(cfg: DictConfig) -> TopologySchema:
+    return _typed(TopologySchema, cfg.get("topology"), "topology")
+
+
+def typed_proxy(cfg: DictConfig) -> ProxySchema:
+    return _typed(ProxySchema, cfg.get("proxy"), "proxy")
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(group="schema", name="topology", node=TopologySchema)
+    cs.store(group="schema", name="proxy", node=ProxySchema)
+
+
+register_schemas()
