@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from pdtopo.kernels import pallas_multi_layer_copy, xla_copy
 from pdtopo.kernels import runs as _runs
-from pdtopo.kernels import xla_copy
 from pdtopo.kernels.runs import bucket_size
 
 __all__ = ["select_from_kv_caches", "insert_kv_chunks", "bucket_size", "IMPLS"]
@@ -123,6 +123,4 @@ def insert_kv_chunks(kv_caches, packed, page_ids, impl: str = "auto",
         out = xla_copy.scatter_pages(pool, packed, _runs.pad_ids(ids, bucket, num_pages),
                                      shardings=shardings)
         return list(out)
-    from pdtopo.kernels import pallas_multi_layer_copy as _pallas
-
-    return list(_pallas.multi_layer_copy(pool, packed, ids, interpret=interpret))
+    return list(pallas_multi_layer_copy.multi_layer_copy(pool, packed, ids, interpret=interpret))
