@@ -1,0 +1,61 @@
+"""Prometheus metrics of one server process (sglang-style names plus pdtopo's own).
+
+One `EngineMetrics` per process, on its own `CollectorRegistry` (several servers may live in one
+test process). The scheduler thread observes latencies and sets gauges after each step
+(prometheus-client metrics are thread-safe); `GET /metrics` renders `render()`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, role: str = "colocated"):
+        self.registry = CollectorRegistry()
+        lab = {"model_name": model_name}
+        reg = self.registry
+        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token",
+                              labelnames=list(lab), buckets=_LATENCY_BUCKETS,
+                              registry=reg).labels(**lab)
+        self.itl = Histogram("sglang:inter_token_latency_seconds", "Inter-token latency",
+                             labelnames=list(lab), buckets=_ITL_BUCKETS, registry=reg).labels(**lab)
+        self.tpot = Histogram("sglang:time_per_output_token_seconds", "Time per output token",
+                              labelnames=list(lab), buckets=_ITL_BUCKETS,
+                              registry=reg).labels(**lab)
+        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency",
+                             labelnames=list(lab), buckets=_LATENCY_BUCKETS,
+                             registry=reg).labels(**lab)
+        self.num_running = Gauge("sglang:num_running_reqs", "Requests in the decode batch",
+                                 labelnames=list(lab), registry=reg).labels(**lab)
+        self.num_queue = Gauge("sglang:num_queue_reqs", "Requests waiting",
+                               labelnames=list(lab), registry=reg).labels(**lab)
+        self.gen_throughput = Gauge("sglang:gen_throughput", "Generation throughput (token/s)",
+                                    labelnames=list(lab), registry=reg).labels(**lab)
+        self.token_usage = Gauge("sglang:token_usage", "Fraction of KV pool pages in use",
+                                 labelnames=list(lab), registry=reg).labels(**lab)
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens processed",
+                                     labelnames=list(lab), registry=reg).labels(**lab)
+        self.generation_tokens = Counter("sglang:generation_tokens", "Output tokens generated",
+                                         labelnames=list(lab), registry=reg).labels(**lab)
+        self.free_pages = Gauge("pdtopo:free_pages", "Free KV pool pages", registry=reg)
+        self.total_pages = Gauge("pdtopo:total_pages", "Usable KV pool pages", registry=reg)
+        self.preemptions = Counter("pdtopo:preemptions", "Requests preempted (recomputed)",
+                                   registry=reg)
+        self.requests = Counter("pdtopo:requests", "Finished requests by outcome",
+                                labelnames=["role", "finish"], registry=reg)
+        self._role = role
+
+    def request_finished(self, finish_type: str) -> None:
+        self.requests.labels(role=self._role, finish=finish_type).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,300 @@
+"""Requests as the engine sees them: sampling parameters, the `Req` record, finish reasons, sinks.
+
+Data flow: the HTTP layer validates a client's sampling values with `SamplingParams.from_dict`
+(every bad value raises `InvalidRequest` naming the field), tokenizes the prompt and builds a
+`Req` with an output sink. The scheduler thread owns the `Req` from then on: it appends output
+tokens and, after every step, emits a `ReqOutput` (the new tokens, and the finish reason once the
+request is done) into the request's sink. `AsyncSink` hands outputs to an asyncio consumer
+(`loop.call_soon_threadsafe` + `asyncio.Queue`); `QueueSink` to a plain thread (tests, tools).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import queue
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+UINT64_MAX = 2**64 - 1
+
+
+class InvalidRequest(ValueError):
+    """A client error (HTTP 400). `field` names the offending request field."""
+
+    def __init__(self, field_name: str | None, message: str):
+        super().__init__(message)
+        self.field = field_name
+        self.message = message
+
+
+# sglang sampling keys pdtopo accepts only at their neutral value (the Rust router may forward them).
+_NEUTRAL_SGLANG_KEYS: dict[str, Any] = {
+    "min_new_tokens": 0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "n": 1,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "lora_path": None,
+}
+# sglang keys that only affect detokenization or streaming and are accepted as given.
+_PASSTHROUGH_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+                     "stream_interval"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stop settings (validated; see `from_dict`)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                     # -1 (or 0): disabled
+    seed: int | None = None             # None: the scheduler derives one
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    max_new_tokens_given: bool = False  # False: defaulted (may be clamped to the context)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None, *, default_max_new_tokens: int,
+                  max_new_tokens_limit: int, vocab_size: int | None = None,
+                  prefix: str = "sampling_params") -> SamplingParams:
+        """Validate sglang-style sampling values. Raises InvalidRequest naming the field."""
+        d = dict(d or {})
+        if not isinstance(d, dict):
+            raise InvalidRequest(prefix, f"{prefix} must be an object, got {type(d).__name__}")
+        p = cls(max_new_tokens=default_max_new_tokens)
+
+        def name(k: str) -> str:
+            return f"{prefix}.{k}"
+
+        for key, value in d.items():
+            if value is None:
+                continue
+            if key == "max_new_tokens":
+                if not _is_int(value):
+                    raise InvalidRequest(name(key), f"{name(key)} must be an integer, got {value!r}")
+                if value <= 0:
+                    raise InvalidRequest(name(key), f"{name(key)} must be > 0, got {value}")
+                if value > max_new_tokens_limit:
+                    raise InvalidRequest(
+                        name(key), f"{name(key)}={value} exceeds engine.max_new_tokens_limit="
+                        f"{max_new_tokens_limit}")
+                p.max_new_tokens, p.max_new_tokens_given = value, True
+            elif key == "temperature":
+                if not _is_number(value) or not math.isfinite(value) or value < 0:
+                    raise InvalidRequest(name(key), f"{name(key)} must be a number >= 0, got {value!r}")
+                p.temperature = float(value)
+            elif key == "top_p":
+                if not _is_number(value) or not (0.0 < value <= 1.0):
+                    raise InvalidRequest(name(key), f"{name(key)} must be in (0, 1], got {value!r}")
+                p.top_p = float(value)
+            elif key == "top_k":
+                if not _is_int(value) or value < -1:
+                    raise InvalidRequest(
+                        name(key), f"{name(key)} must be an integer >= 1 (or -1/0 to disable), "
+                        f"got {value!r}")
+                p.top_k = -1 if value == 0 else value
+            elif key in ("seed", "sampling_seed"):
+                if not _is_int(value) or not (0 <= value <= UINT64_MAX):
+                    raise InvalidRequest(name(key), f"{name(key)} must be an integer in [0, 2^64), "
+                                         f"got {value!r}")
+                p.seed = value
+            elif key == "stop":
+                stops = [value] if isinstance(value, str) else value
+                if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+                    raise InvalidRequest(name(key), f"{name(key)} must be a non-empty string or a "
+                                         f"list of non-empty strings, got {value!r}")
+                p.stop = list(stops)
+            elif key == "stop_token_ids":
+                if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+                    raise InvalidRequest(name(key), f"{name(key)} must be a list of token ids, "
+                                         f"got {value!r}")
+                if vocab_size is not None and any(t >= vocab_size for t in value):
+                    raise InvalidRequest(name(key), f"{name(key)} has ids outside the vocabulary "
+                                         f"(size {vocab_size}): {value!r}")
+                p.stop_token_ids = list(value)
+            elif key == "ignore_eos":
+                if not isinstance(value, bool):
+                    raise InvalidRequest(name(key), f"{name(key)} must be a boolean, got {value!r}")
+                p.ignore_eos = value
+            elif key in _PASSTHROUGH_KEYS:
+                if key in ("skip_special_tokens", "no_stop_trim"):
+                    if not isinstance(value, bool):
+                        raise InvalidRequest(name(key), f"{name(key)} must be a boolean, got {value!r}")
+                    setattr(p, key, value)
+            elif key in _NEUTRAL_SGLANG_KEYS:
+                neutral = _NEUTRAL_SGLANG_KEYS[key]
+                if value != neutral and not (value == {} or value == []):
+                    raise InvalidRequest(name(key), f"{name(key)}={value!r} is not supported by "
+                                         f"pdtopo (only {neutral!r})")
+            else:
+                raise InvalidRequest(name(key), f"unknown sampling parameter {name(key)!r}")
+        return p
+
+
+class FinishReason:
+    """sglang-style finish reasons (`to_json()` goes into meta_info.finish_reason)."""
+
+    @staticmethod
+    def length(n: int) -> dict[str, Any]:
+        return {"type": "length", "length": n}
+
+    @staticmethod
+    def stop_token(token_id: int) -> dict[str, Any]:
+        return {"type": "stop", "matched": token_id}
+
+    @staticmethod
+    def stop_str(s: str) -> dict[str, Any]:
+        return {"type": "stop", "matched": s}
+
+    @staticmethod
+    def abort(message: str, status_code: int = 500) -> dict[str, Any]:
+        return {"type": "abort", "message": message, "status_code": status_code}
+
+
+@dataclass
+class ReqOutput:
+    """What the scheduler emits for a request after a step (tokens since the previous output)."""
+
+    rid: str
+    new_token_ids: list[int]
+    num_output_tokens: int
+    prompt_tokens: int
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    cached_tokens: int = 0
+
+
+class OutputSink(Protocol):
+    def emit(self, out: ReqOutput) -> None: ...
+
+
+class AsyncSink:
+    """Fed from the scheduler thread, consumed with `await sink.get()` on an asyncio loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
+        self.loop = loop or asyncio.get_running_loop()
+        self.queue: asyncio.Queue[ReqOutput] = asyncio.Queue()
+
+    def emit(self, out: ReqOutput) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
+            pass
+
+    async def get(self) -> ReqOutput:
+        return await self.queue.get()
+
+
+class QueueSink:
+    """A thread-safe sink for synchronous consumers."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[ReqOutput] = queue.Queue()
+
+    def emit(self, out: ReqOutput) -> None:
+        self.queue.put(out)
+
+    def get(self, timeout: float | None = None) -> ReqOutput:
+        return self.queue.get(timeout=timeout)
+
+    def collect(self, timeout: float = 60.0) -> tuple[list[int], ReqOutput]:
+        """Block until the request finishes; returns (all output ids, final output)."""
+        ids: list[int] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            ids.extend(out.new_token_ids)
+            if out.finished:
+                return ids, out
+
+
+class NullSink:
+    def emit(self, out: ReqOutput) -> None:
+        pass
+
+
+_rid_counter = itertools.count()
+
+
+def new_rid() -> str:
+    return f"{uuid.uuid4().hex[:16]}{next(_rid_counter):x}"
+
+
+class ReqStatus:
+    WAITING = "waiting"        # in the waiting queue (maybe partially prefilled)
+    RUNNING = "running"        # in the decode batch
+    HELD = "held"              # owned by a PD mixin (e.g. P waiting for D to pull its KV)
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One sequence. Owned by the scheduler thread once submitted.
+
+    Tokens of the sequence are `prompt_ids + output_ids`; the first `num_computed` of them have
+    their KV in `page_ids` (the request's page table, in order).
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    sink: OutputSink = field(default_factory=NullSink)
+    output_ids: list[int] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: str = ReqStatus.WAITING
+    finish_reason: dict[str, Any] | None = None
+    # PD routing fields, carried untouched for the disaggregation mixins.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    # Timing (time.monotonic()).
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_emitted: int = 0          # output tokens already handed to the sink
+    num_preemptions: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # free space for mixins
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:  # short: requests appear in logs
+        return (f"Req({self.rid}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
+                f"computed={self.num_computed}, pages={len(self.page_ids)}, {self.status})")

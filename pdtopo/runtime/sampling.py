@@ -1,0 +1,107 @@
+"""Batched next-token sampling (jitted): greedy, temperature, top-k, top-p, seeded.
+
+Sampling is stateless per request: the key for output token i of a request with seed s is
+`fold_in(PRNGKey(s), i)` (for a 64-bit seed, PRNGKey's key data is [s >> 32, s & 0xffffffff]),
+so a prefill server (token 0) and a decode server (tokens 1..) produce the same stream as one
+colocated server. Rows with temperature 0 or top_k 1 take the argmax.
+
+`Sampler.sample(logits, reqs_params)` takes the runner's logits `[n, vocab]` (n may be larger
+than the number of requests: padding rows are ignored) and returns a NumPy int array of n' token
+ids. Two compiled programs per row count: an argmax-only one (whole batch greedy) and the full
+one. `Sampler.warmup(row_counts)` compiles both ahead of serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Sampling settings of one row: temperature, top_k (<=0: off), top_p, seed, token index."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    step: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def request_key(seed: int, step: int) -> jax.Array:
+    """The reference key for output token `step` of a request with `seed` (for tests/tools)."""
+    data = jnp.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], dtype=jnp.uint32)
+    return jax.random.fold_in(jax.random.wrap_key_data(data, impl="threefry2x32"), step)
+
+
+@jax.jit
+def _greedy(logits: jax.Array) -> jax.Array:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@jax.jit
+def _sample(logits, temperature, top_k, top_p, seed_hi, seed_lo, step):
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    # top-k / top-p decided in sorted order, then mapped back: the draw itself is over the
+    # vocabulary in its natural order, so it equals categorical(key, logits / T) when unfiltered.
+    order = jnp.argsort(-logits, axis=-1, stable=True)           # descending, ties by index
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits / safe_t
+    sorted_scaled = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
+    sorted_scaled = jnp.where(rank < k, sorted_scaled, -jnp.inf)
+    probs = jax.nn.softmax(sorted_scaled, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                  # mass strictly above this rank
+    keep_sorted = (rank < k) & ((before < top_p[:, None]) | (rank == 0))
+    keep = jax.vmap(lambda o, ks: jnp.zeros((vocab,), bool).at[o].set(ks))(order, keep_sorted)
+    masked = jnp.where(keep, scaled, -jnp.inf)
+
+    def one(row_logits, hi, lo, i):
+        key = jax.random.wrap_key_data(jnp.stack([hi, lo]), impl="threefry2x32")
+        return jax.random.categorical(jax.random.fold_in(key, i), row_logits)
+
+    sampled_ids = jax.vmap(one)(masked, seed_hi, seed_lo, step).astype(jnp.int32)
+    use_greedy = (temperature == 0) | (top_k == 1)
+    return jnp.where(use_greedy, greedy_ids, sampled_ids)
+
+
+class Sampler:
+    """Host-side wrapper: packs per-row parameters, pads them to the logits' row count."""
+
+    def sample(self, logits: jax.Array, rows: Sequence[RowParams]) -> np.ndarray:
+        n_rows = logits.shape[0]
+        n = len(rows)
+        if n > n_rows:
+            raise ValueError(f"{n} sampling rows for logits with {n_rows} rows")
+        if all(r.greedy for r in rows):
+            return np.asarray(jax.device_get(_greedy(logits)))[:n]
+        temperature = np.zeros(n_rows, np.float32)
+        top_k = np.zeros(n_rows, np.int32)
+        top_p = np.ones(n_rows, np.float32)
+        seed_hi = np.zeros(n_rows, np.uint32)
+        seed_lo = np.zeros(n_rows, np.uint32)
+        step = np.zeros(n_rows, np.int32)
+        for j, r in enumerate(rows):
+            temperature[j], top_k[j], top_p[j] = r.temperature, r.top_k, r.top_p
+            seed_hi[j], seed_lo[j] = (r.seed >> 32) & 0xFFFFFFFF, r.seed & 0xFFFFFFFF
+            step[j] = r.step
+        out = _sample(logits, temperature, top_k, top_p, seed_hi, seed_lo, step)
+        return np.asarray(jax.device_get(out))[:n]
+
+    def warmup(self, row_counts: Iterable[int], vocab: int, dtype=jnp.float32) -> None:
+        for n in sorted(set(row_counts)):
+            logits = jnp.zeros((n, vocab), dtype)
+            self.sample(logits, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
+            self.sample(logits, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
