@@ -1,0 +1,445 @@
+"""JaxTransferKVManager / Sender / Receiver: the RFC-2 ABCs on the transfer engine + side channel.
+
+Everything here is called from ONE thread, the scheduler thread that owns the KV pool; no call
+blocks (gathers and scatters are dispatched to the device asynchronously, pulls run on the
+engine's pull_executor, ZMQ I/O on the side channel's thread).
+
+P (prefill) scheduler, per request with bootstrap_room R:
+    sender = mgr.create_sender(R)              # at request arrival; Bootstrapping
+    ... prefill runs; D's `want` may arrive any time (poll() -> WaitingForInput)
+    sender.send(page_ids, prompt_len=L, first_token=t0, first_logprob=lp)
+        # gathers the pages (gather_fn, default pdtopo.kernels.select_from_kv_caches) into
+        # packed copies, registers them for a pull (expires after sender_expiry_s) and sends
+        # `ready` to D as soon as D is known. The request's pool pages can be freed right after
+        # send(): the packed arrays are copies. -> Transferring
+    each step: sender.poll() -> Success when D reports done (the packed arrays are released),
+        Failed on D's failure / expiry (sender.failure_exception() says why).
+    sender.abort(reason) if P itself fails the request (D is told).
+
+D (decode) scheduler, per request with bootstrap_host H, bootstrap_port PORT, bootstrap_room R:
+    recv = mgr.create_receiver(R, f"{H}:{PORT}")   # sends `want` to P; Bootstrapping
+    recv.init(page_ids)        # pages preallocated for the prompt's KV -> WaitingForInput
+    each step: recv.poll()     # on `ready`: checks P's announcement against the local pool and
+        # pulls on the pull_executor -> Transferring; when the pull completes, poll() (on this
+        # thread, the pool's owner) scatters the packed pages into runner.kv_caches with
+        # scatter_fn (default pdtopo.kernels.insert_kv_chunks), tells P `done` -> Success.
+        # recv.ready_info has the first token / logprob / prompt length from P.
+    Failed: P's failure, pull error or timeout, or no KV within kv_timeout_s; the pages are the
+        scheduler's to free; recv.failure_exception().status is an HTTP status for the client.
+    recv.abort(reason) if D gives up on the request (P is told).
+
+`mgr.progress()` (also called by every poll()) drains side-channel events and engine expiries.
+Call `mgr.close()` at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pdtopo.runtime.disagg import messages as m
+from pdtopo.runtime.disagg.base import (
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVRunner,
+    KVTransferError,
+    PackedMeta,
+    check_packed_meta,
+)
+from pdtopo.runtime.disagg.kvpoll import KVPoll, KVPollState
+from pdtopo.runtime.disagg.side_channel import Peer, SideChannel, SideChannelEvent
+from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+
+log = logging.getLogger(__name__)
+
+GatherFn = Callable[[list[Any], Sequence[int]], list[Any]]
+ScatterFn = Callable[[list[Any], list[Any], Sequence[int]], list[Any]]
+
+
+def _default_gather(kv_caches, page_ids):
+    from pdtopo.kernels import select_from_kv_caches
+
+    return select_from_kv_caches(kv_caches, page_ids)
+
+
+def _make_default_scatter(impl: str) -> ScatterFn:
+    def scatter(kv_caches, packed, page_ids):
+        from pdtopo.kernels import insert_kv_chunks
+
+        return insert_kv_chunks(kv_caches, packed, page_ids, impl=impl)
+
+    return scatter
+
+
+def _check_endpoint(addr: str, what: str) -> str:
+    host, _, port = str(addr).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be host:port, got {addr!r}")
+    return f"{host}:{int(port)}"
+
+
+class JaxTransferKVSender(BaseKVSender):
+    """P side of one room (create with `JaxTransferKVManager.create_sender`)."""
+
+    def __init__(self, mgr: JaxTransferKVManager, room: int) -> None:
+        self.mgr = mgr
+        self.room = room
+        self._state = KVPollState(KVPoll.Bootstrapping, label=f"sender room {room}")
+        self.peer: Peer | None = None
+        self.ready_msg: m.Ready | None = None
+        self.failure_msg: m.Failed | None = None
+
+    def send(self, kv_indices: Sequence[int], *, prompt_len: int | None = None,
+             first_token: int | None = None, first_logprob: float | None = None) -> None:
+        if self._state.state.terminal:
+            raise KVTransferError(f"room {self.room}: send() on a {self._state.state.name} sender")
+        if self.ready_msg is not None:
+            raise KVTransferError(f"room {self.room}: send() called twice")
+        try:
+            self.ready_msg = self.mgr._register(self.room, list(kv_indices), prompt_len,
+                                                first_token, first_logprob)
+        except Exception as e:
+            err = e if isinstance(e, KVTransferError) else KVTransferError(
+                f"room {self.room}: preparing KV for transfer failed: {e}", status=500)
+            self._fail(err, notify=True)
+            return
+        self._state.advance(KVPoll.Transferring)
+        if self.peer is not None:
+            self.mgr.channel.send(self.peer, self.ready_msg)
+
+    def poll(self) -> KVPoll:
+        self.mgr.progress()
+        return self._state.state
+
+    def failure_exception(self) -> BaseException | None:
+        return self._state.error
+
+    def abort(self, reason: str, status: int | None = 500) -> None:
+        """P gives up on this room (e.g. prefill failed): D is told, buffers released."""
+        self._fail(KVTransferError(f"room {self.room}: {reason}", status=status), notify=True)
+
+    # --------------------------------------------------------------- manager callbacks
+    def _on_want(self, peer: Peer) -> None:
+        self.peer = peer
+        st = self._state.state
+        if st == KVPoll.Bootstrapping:
+            self._state.advance(KVPoll.WaitingForInput)
+        if self.ready_msg is not None and not st.terminal:
+            self.mgr.channel.send(peer, self.ready_msg)
+        elif self.failure_msg is not None:
+            self.mgr.channel.send(peer, self.failure_msg)
+
+    def _on_done(self, msg: m.Done) -> None:
+        if msg.ok and self.ready_msg is not None:
+            self.mgr.engine.release(self.room)
+            self._state.advance(KVPoll.Success)
+            self.mgr._finish_sender(self)
+        else:
+            reason = msg.reason or "D reported the transfer failed"
+            self._fail(KVTransferError(f"room {self.room}: {reason}", status=502), notify=False)
+
+    def _on_failed(self, msg: m.Failed) -> None:
+        self._fail(KVTransferError(f"room {self.room}: D failed: {msg.reason}",
+                                   status=msg.status), notify=False)
+
+    def _fail(self, exc: KVTransferError, *, notify: bool) -> None:
+        if not self._state.fail(exc):
+            return
+        self.mgr.engine.release(self.room)
+        self.failure_msg = m.Failed(room=self.room, reason=str(exc), status=exc.status)
+        if notify and self.peer is not None:
+            self.mgr.channel.send(self.peer, self.failure_msg)
+        self.mgr._finish_sender(self)
+
+
+class JaxTransferKVReceiver(BaseKVReceiver):
+    """D side of one room (create with `JaxTransferKVManager.create_receiver`)."""
+
+    def __init__(self, mgr: JaxTransferKVManager, room: int, bootstrap_addr: str) -> None:
+        self.mgr = mgr
+        self.room = room
+        self.bootstrap_addr = _check_endpoint(bootstrap_addr, "bootstrap_host:bootstrap_port")
+        self._state = KVPollState(KVPoll.Bootstrapping, label=f"receiver room {room}")
+        self.deadline = time.monotonic() + mgr.kv_timeout_s
+        self.page_ids: list[int] | None = None
+        self.ready_info: m.Ready | None = None
+        self._future = None
+        self.peer = mgr.channel.send_to(self.bootstrap_addr, m.Want(room=room))
+
+    def init(self, kv_indices: Sequence[int]) -> None:
+        """Give the pages preallocated for this room's KV (in the order P sends them)."""
+        if self.page_ids is not None:
+            raise KVTransferError(f"room {self.room}: init() called twice")
+        self.page_ids = [int(i) for i in kv_indices]
+        if self._state.state.terminal:
+            return
+        self._state.advance(KVPoll.WaitingForInput)
+        if self.ready_info is not None:
+            self._start_pull()
+
+    def poll(self) -> KVPoll:
+        self.mgr.progress()
+        return self._state.state
+
+    def failure_exception(self) -> BaseException | None:
+        return self._state.error
+
+    def abort(self, reason: str, status: int | None = 500) -> None:
+        """D gives up on this room: P is told (so it frees its buffers)."""
+        self._fail(KVTransferError(f"room {self.room}: {reason}", status=status), notify=True)
+
+    # --------------------------------------------------------------- manager callbacks
+    def _on_ready(self, msg: m.Ready) -> None:
+        if self.ready_info is not None or self._state.state.terminal:
+            return  # P re-sent ready (answering a repeated want): never pull a uuid twice
+        self.ready_info = msg
+        if self.page_ids is not None:
+            self._start_pull()
+
+    def _on_failed(self, msg: m.Failed) -> None:
+        self._fail(KVTransferError(f"room {self.room}: P failed: {msg.reason}",
+                                   status=msg.status or 502), notify=False)
+
+    def _start_pull(self) -> None:
+        msg, pages = self.ready_info, self.page_ids
+        assert msg is not None and pages is not None
+        try:
+            main = self.mgr.args.main
+            announced = [p for p in msg.pools if p.pool_type == main.pool_type]
+            if len(msg.pools) != 1 or len(announced) != 1:
+                raise KVTransferError(
+                    f"room {self.room}: P announced pools {[p.name for p in msg.pools]}; this D "
+                    f"transfers exactly one {main.pool_type} pool", status=500)
+            if announced[0].page_count != len(pages):
+                raise KVTransferError(
+                    f"room {self.room}: P sends {announced[0].page_count} pages, D preallocated "
+                    f"{len(pages)}", status=500)
+            check_packed_meta(announced[0], main.packed_meta(len(pages)))
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise KVTransferError(f"room {self.room}: KV deadline passed before the pull",
+                                      status=504)
+            self._future = self.mgr.engine.pull(
+                msg.transfer_addr, msg.transfer_uuid, main.packed_specs(len(pages)), remaining,
+                room=self.room)
+        except KVTransferError as e:
+            self._fail(e, notify=True)
+            return
+        self._state.advance(KVPoll.Transferring)
+
+    def _progress(self, now: float) -> None:
+        st = self._state.state
+        if st.terminal:
+            return
+        if self._future is not None:
+            if not self._future.done():
+                return
+            exc = self._future.exception()
+            if exc is not None:
+                err = exc if isinstance(exc, KVTransferError) else KVTransferError(
+                    f"room {self.room}: {exc}", status=502)
+                self._fail(err, notify=True)
+                return
+            try:
+                self.mgr._scatter(self._future.result(), self.page_ids)
+            except Exception as e:
+                self._fail(KVTransferError(f"room {self.room}: inserting the pulled KV into "
+                                           f"the pool failed: {e}", status=500), notify=True)
+                return
+            self._future = None
+            self.mgr.channel.send(self.peer, m.Done(room=self.room, ok=True))
+            self._state.advance(KVPoll.Success)
+            self.mgr._finish_receiver(self)
+        elif now >= self.deadline:
+            what = "no ready from P" if self.ready_info is None else "pages never given (init)"
+            self._fail(KVTransferError(
+                f"room {self.room}: KV from P at {self.bootstrap_addr} did not arrive within "
+                f"kv_timeout_s={self.mgr.kv_timeout_s:g} ({what})", status=504), notify=True)
+
+    def _fail(self, exc: KVTransferError, *, notify: bool) -> None:
+        if not self._state.fail(exc):
+            return
+        log.warning("%s", exc)
+        if notify:
+            self.mgr.channel.send(self.peer, m.Failed(room=self.room, reason=str(exc),
+                                                      status=exc.status))
+        self.mgr._finish_receiver(self)
+
+
+class JaxTransferKVManager(BaseKVManager):
+    """One per P or D process. Not thread-safe: call from the scheduler thread only."""
+
+    def __init__(self, args: KVArgs, bootstrap_addr: str | None = None, *,
+                 engine: JaxTransferKVEngine, channel: SideChannel, kv_timeout_s: float = 30,
+                 sender_expiry_s: float = 60, gather_fn: GatherFn | None = None,
+                 scatter_fn: ScatterFn | None = None, kernels_impl: str = "auto",
+                 owns_transport: bool = False) -> None:
+        super().__init__(args, bootstrap_addr)
+        if kv_timeout_s <= 0:
+            raise ValueError(f"disaggregation.kv_timeout_s must be > 0, got {kv_timeout_s}")
+        if sender_expiry_s <= 0:
+            raise ValueError(f"disaggregation.sender_expiry_s must be > 0, got {sender_expiry_s}")
+        self.engine = engine
+        self.channel = channel
+        self.kv_timeout_s = float(kv_timeout_s)
+        self.sender_expiry_s = float(sender_expiry_s)
+        self.gather_fn = gather_fn or _default_gather
+        self.scatter_fn = scatter_fn or _make_default_scatter(kernels_impl)
+        self.runner: KVRunner | None = None
+        self._owns_transport = owns_transport
+        self._senders: dict[int, JaxTransferKVSender] = {}
+        self._receivers: dict[int, JaxTransferKVReceiver] = {}
+        self._early_wants: dict[int, tuple[Peer, float]] = {}   # want before create_sender
+        self._tombstones: dict[int, tuple[m.Failed | None, float]] = {}
+
+    @classmethod
+    def from_context(cls, ctx: Any, args: KVArgs, **kw: Any) -> JaxTransferKVManager:
+        """Engine + side channel from a ProcessContext (prefill binds ports.zmq)."""
+        d = ctx.cfg.disaggregation
+        engine = JaxTransferKVEngine.from_context(ctx)
+        bind = None
+        if ctx.role == "prefill":
+            bind = f"{ctx.cfg.server.bind_host}:{int(ctx.ports['zmq'])}"
+        try:
+            channel = SideChannel(bind=bind, max_bytes=int(d.side_channel_max_bytes),
+                                  name=f"{ctx.name}-side")
+        except Exception:
+            engine.close()
+            raise
+        return cls(args, ctx.bootstrap_url, engine=engine, channel=channel,
+                   kv_timeout_s=float(d.kv_timeout_s), sender_expiry_s=float(d.sender_expiry_s),
+                   kernels_impl=str(ctx.cfg.kernels.impl), owns_transport=True, **kw)
+
+    # --------------------------------------------------------------- ABC
+    def register_runner(self, runner: KVRunner) -> None:
+        if not hasattr(runner, "kv_caches"):
+            raise TypeError("register_runner: the runner must have a kv_caches attribute")
+        self.runner = runner
+
+    def create_sender(self, room: int) -> JaxTransferKVSender:
+        room = self._check_room(room)
+        if room in self._senders:
+            raise KVTransferError(f"room {room} already has a sender")
+        s = JaxTransferKVSender(self, room)
+        self._senders[room] = s
+        early = self._early_wants.pop(room, None)
+        if early is not None:
+            s._on_want(early[0])
+        return s
+
+    def create_receiver(self, room: int, bootstrap_addr: str) -> JaxTransferKVReceiver:
+        room = self._check_room(room)
+        if room in self._receivers:
+            raise KVTransferError(f"room {room} already has a receiver")
+        r = JaxTransferKVReceiver(self, room, bootstrap_addr)
+        self._receivers[room] = r
+        return r
+
+    # --------------------------------------------------------------- driving
+    def progress(self) -> None:
+        """Drain side-channel events and expiries; advance receivers. Never blocks."""
+        while True:
+            try:
+                ev = self.channel.events.get_nowait()
+            except Exception:
+                break
+            self._dispatch(ev)
+        while True:
+            try:
+                room = self.engine.expired.get_nowait()
+            except Exception:
+                break
+            s = self._senders.get(room)
+            if s is not None:
+                s._fail(KVTransferError(
+                    f"room {room}: D did not pull the KV within sender_expiry_s="
+                    f"{self.sender_expiry_s:g}", status=504), notify=True)
+        now_wall, now = time.time(), time.monotonic()
+        for r in list(self._receivers.values()):
+            r._progress(now)
+        for table in (self._early_wants, self._tombstones):
+            for room in [k for k, v in table.items() if v[1] <= now_wall]:
+                del table[room]
+                if room not in self._senders and room not in self._receivers:
+                    self.channel.forget(room)
+
+    def _dispatch(self, ev: SideChannelEvent) -> None:
+        msg = ev.msg
+        if isinstance(msg, m.Want):
+            s = self._senders.get(msg.room)
+            if s is not None:
+                s._on_want(ev.peer)
+            elif msg.room in self._tombstones:
+                failed = self._tombstones[msg.room][0] or m.Failed(
+                    room=msg.room, reason="P already finished this room", status=500)
+                self.channel.send(ev.peer, failed)
+            else:
+                self._early_wants[msg.room] = (ev.peer, time.time() + self.sender_expiry_s)
+        elif isinstance(msg, m.Ready):
+            r = self._receivers.get(msg.room)
+            if r is not None:
+                r._on_ready(msg)
+        elif isinstance(msg, m.Done):
+            s = self._senders.get(msg.room)
+            if s is not None:
+                s._on_done(msg)
+        elif isinstance(msg, m.Failed):
+            target = self._receivers.get(msg.room) or self._senders.get(msg.room)
+            if target is not None:
+                target._on_failed(msg)
+        else:
+            log.warning("unexpected side-channel event %r", ev)
+
+    # --------------------------------------------------------------- internals
+    @staticmethod
+    def _check_room(room: Any) -> int:
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= m.MAX_ROOM:
+            raise ValueError(f"bootstrap_room must be an integer in [0, 2**64), got {room!r}")
+        return room
+
+    def _register(self, room: int, page_ids: list[int], prompt_len: int | None,
+                  first_token: int | None, first_logprob: float | None) -> m.Ready:
+        if self.runner is None:
+            raise KVTransferError(f"room {room}: no runner registered (call register_runner)",
+                                  status=500)
+        if not page_ids:
+            raise KVTransferError(f"room {room}: send() needs at least one page", status=500)
+        packed = self.gather_fn(self.runner.kv_caches, page_ids)
+        meta = PackedMeta.from_arrays(packed, name=self.args.main.name)
+        uuid, deadline = self.engine.register(room, packed, self.sender_expiry_s)
+        return m.Ready(room=room, transfer_addr=self.engine.address, transfer_uuid=uuid,
+                       expires_at=deadline, pools=(meta,),
+                       prompt_len=int(prompt_len if prompt_len is not None else 0),
+                       first_token=first_token, first_logprob=first_logprob)
+
+    def _scatter(self, packed: list[Any], page_ids: list[int] | None) -> None:
+        if self.runner is None:
+            raise KVTransferError("no runner registered (call register_runner)")
+        assert page_ids is not None
+        self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, packed, page_ids)
+
+    def _finish_sender(self, s: JaxTransferKVSender) -> None:
+        if self._senders.get(s.room) is s:
+            del self._senders[s.room]
+            self._tombstones[s.room] = (s.failure_msg, time.time() + self.sender_expiry_s)
+
+    def _finish_receiver(self, r: JaxTransferKVReceiver) -> None:
+        if self._receivers.get(r.room) is r:
+            del self._receivers[r.room]
+            self.channel.forget(r.room)
+
+    def num_registered(self) -> int:
+        """Packed KV registrations P still holds (released on done / failure / expiry)."""
+        return self.engine.num_registered()
+
+    def num_active(self) -> tuple[int, int]:
+        return len(self._senders), len(self._receivers)
+
+    def close(self) -> None:
+        if self._owns_transport:
+            self.channel.close()
+            self.engine.close()

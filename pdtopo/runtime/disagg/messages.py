@@ -1,0 +1,167 @@
+"""Side-channel message schema (ZMQ, JSON): encode, decode and validate.
+
+Every message is one JSON object, UTF-8, at most `max_bytes` long, with a protocol version
+``"v": 1``, a ``"type"`` and a ``"room"`` (the bootstrap_room, an integer in [0, 2**64)).
+
+| type   | direction | fields                                                                 |
+|--------|-----------|------------------------------------------------------------------------|
+| want   | D -> P    | room; D says it waits for this room's KV (P learns D's identity)       |
+| ready  | P -> D    | room, transfer_addr, transfer_uuid, expires_at (unix s), pools (list   |
+|        |           | of PackedMeta dicts: shape, dtype, page_count, page_size, sharding,    |
+|        |           | num_entries), first_token, first_logprob (optional), prompt_len       |
+| done   | D -> P    | room, ok (bool), reason (optional)                                     |
+| failed | both      | room, reason (str), status (optional HTTP status int)                  |
+
+`decode(raw, max_bytes)` returns a typed message or raises `MessageError` whose text says what
+was wrong; callers log and drop such messages. Unknown fields are ignored (forward compatible);
+missing or mistyped known fields are errors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pdtopo.runtime.disagg.base import PackedMeta
+
+PROTOCOL_VERSION = 1
+MAX_ROOM = 2**64 - 1
+
+
+class MessageError(ValueError):
+    """A side-channel message that cannot be accepted (the text says why)."""
+
+
+@dataclass(frozen=True)
+class Want:
+    room: int
+    type: str = field(default="want", init=False)
+
+
+@dataclass(frozen=True)
+class Ready:
+    room: int
+    transfer_addr: str
+    transfer_uuid: int
+    expires_at: float
+    pools: tuple[PackedMeta, ...]
+    prompt_len: int
+    first_token: int | None = None
+    first_logprob: float | None = None
+    type: str = field(default="ready", init=False)
+
+
+@dataclass(frozen=True)
+class Done:
+    room: int
+    ok: bool = True
+    reason: str | None = None
+    type: str = field(default="done", init=False)
+
+
+@dataclass(frozen=True)
+class Failed:
+    room: int
+    reason: str
+    status: int | None = None
+    type: str = field(default="failed", init=False)
+
+
+Message = Want | Ready | Done | Failed
+TYPES = {"want": Want, "ready": Ready, "done": Done, "failed": Failed}
+
+
+def to_dict(msg: Message) -> dict[str, Any]:
+    d = asdict(msg)
+    if isinstance(msg, Ready):
+        d["pools"] = [p.to_dict() for p in msg.pools]
+    d["v"] = PROTOCOL_VERSION
+    return d
+
+
+def encode(msg: Message) -> bytes:
+    return json.dumps(to_dict(msg), separators=(",", ":")).encode()
+
+
+def _get(d: dict[str, Any], key: str, kinds: tuple[type, ...], *, optional: bool = False,
+         mtype: str = "") -> Any:
+    if key not in d or d[key] is None:
+        if optional:
+            return None
+        raise MessageError(f"{mtype} message: missing field {key!r}")
+    val = d[key]
+    if isinstance(val, bool) and bool not in kinds:
+        raise MessageError(f"{mtype} message: field {key!r} must be "
+                           f"{'/'.join(k.__name__ for k in kinds)}, got {val!r}")
+    if not isinstance(val, kinds):
+        raise MessageError(f"{mtype} message: field {key!r} must be "
+                           f"{'/'.join(k.__name__ for k in kinds)}, got {type(val).__name__}")
+    return val
+
+
+def _pool(d: Any, i: int) -> PackedMeta:
+    if not isinstance(d, dict):
+        raise MessageError(f"ready message: pools[{i}] must be an object")
+    try:
+        meta = PackedMeta.from_dict(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise MessageError(f"ready message: pools[{i}] is malformed ({e!r})") from None
+    if len(meta.shape) < 1 or any(s < 0 for s in meta.shape) or meta.num_entries < 1:
+        raise MessageError(f"ready message: pools[{i}] has bad shape {meta.shape} or "
+                           f"num_entries {meta.num_entries}")
+    if not isinstance(meta.sharding.get("num_devices"), int):
+        raise MessageError(f"ready message: pools[{i}].sharding.num_devices must be an int")
+    return meta
+
+
+def from_dict(d: Any) -> Message:
+    if not isinstance(d, dict):
+        raise MessageError(f"message must be a JSON object, got {type(d).__name__}")
+    v = d.get("v")
+    if v != PROTOCOL_VERSION:
+        raise MessageError(f"unsupported protocol version v={v!r} (this side speaks "
+                           f"v={PROTOCOL_VERSION})")
+    mtype = d.get("type")
+    if mtype not in TYPES:
+        raise MessageError(f"unknown message type {mtype!r} (known: {', '.join(TYPES)})")
+    room = _get(d, "room", (int,), mtype=mtype)
+    if not 0 <= room <= MAX_ROOM:
+        raise MessageError(f"{mtype} message: room {room} is outside [0, 2**64)")
+    if mtype == "want":
+        return Want(room=room)
+    if mtype == "done":
+        return Done(room=room, ok=_get(d, "ok", (bool,), mtype=mtype),
+                    reason=_get(d, "reason", (str,), optional=True, mtype=mtype))
+    if mtype == "failed":
+        status = _get(d, "status", (int,), optional=True, mtype=mtype)
+        return Failed(room=room, reason=_get(d, "reason", (str,), mtype=mtype), status=status)
+    pools = _get(d, "pools", (list,), mtype=mtype)
+    if not pools:
+        raise MessageError("ready message: pools is empty")
+    uuid = _get(d, "transfer_uuid", (int,), mtype=mtype)
+    if not 0 <= uuid < 2**63:
+        raise MessageError(f"ready message: transfer_uuid {uuid} is outside [0, 2**63)")
+    prompt_len = _get(d, "prompt_len", (int,), mtype=mtype)
+    if prompt_len < 0:
+        raise MessageError(f"ready message: prompt_len must be >= 0, got {prompt_len}")
+    logprob = _get(d, "first_logprob", (int, float), optional=True, mtype=mtype)
+    return Ready(room=room, transfer_addr=_get(d, "transfer_addr", (str,), mtype=mtype),
+                 transfer_uuid=uuid,
+                 expires_at=float(_get(d, "expires_at", (int, float), mtype=mtype)),
+                 pools=tuple(_pool(p, i) for i, p in enumerate(pools)),
+                 prompt_len=prompt_len,
+                 first_token=_get(d, "first_token", (int,), optional=True, mtype=mtype),
+                 first_logprob=None if logprob is None else float(logprob))
+
+
+def decode(raw: bytes, max_bytes: int) -> Message:
+    """Parse and validate one message; MessageError says why it was rejected."""
+    if len(raw) > max_bytes:
+        raise MessageError(f"message of {len(raw)} bytes exceeds side_channel_max_bytes="
+                           f"{max_bytes}")
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MessageError(f"not valid UTF-8 JSON ({e.__class__.__name__}: {e})") from None
+    return from_dict(d)

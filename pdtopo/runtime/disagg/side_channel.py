@@ -1,0 +1,289 @@
+"""ZMQ side channel: P binds a ROUTER, D talks to each P through a cached DEALER.
+
+One I/O thread owns every ZMQ socket of the channel (ZMQ sockets are not thread-safe). Other
+threads never touch a socket:
+
+    owner thread --send()/forget()--> outbox (queue) --wake--> I/O thread --zmq--> peer
+    peer --zmq--> I/O thread: decode + validate + ownership check --> events (queue.Queue)
+                                                                       drained by the owner
+
+A received message becomes a `SideChannelEvent(peer, msg)`; reply with `send(event.peer, msg)`.
+Malformed, oversized, wrong-version, unknown-type, wrong-direction messages and messages about
+rooms the peer does not own are logged and dropped (counted in `stats()`); the listener keeps
+running. Room ownership:
+  - ROUTER (P side): a `want(room)` from identity X makes X the room's owner (a different
+    identity claiming it later is rejected); `done`/`failed` for a room are accepted only from
+    its owner; sending `ready`/`failed` to X also makes X the owner.
+  - DEALER (D side): sending `want(room)` to endpoint E expects the room from E; `ready`/`failed`
+    for a room are accepted only from the endpoint that was asked.
+`forget(room)` drops those records once a room is finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import zmq
+
+from pdtopo.runtime.disagg import messages as m
+
+log = logging.getLogger(__name__)
+
+_TO_P = ("want", "done", "failed")   # types a ROUTER accepts
+_TO_D = ("ready", "failed")          # types a DEALER accepts
+
+
+class Peer(NamedTuple):
+    """Where a message came from / goes to: ("router", identity) or ("dealer", "host:port")."""
+
+    kind: str
+    key: bytes | str
+
+
+@dataclass(frozen=True)
+class SideChannelEvent:
+    peer: Peer
+    msg: m.Message
+
+
+class SideChannel:
+    """A side-channel endpoint; `bind` ("host:port", port 0 = any) makes it a P (ROUTER)."""
+
+    def __init__(self, *, bind: str | None = None, max_bytes: int = 65536,
+                 name: str = "side-channel") -> None:
+        if max_bytes < 256:
+            raise ValueError(f"side_channel_max_bytes must be >= 256, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self.name = name
+        self.events: queue.Queue[SideChannelEvent] = queue.Queue()
+        self._outbox: queue.Queue[tuple] = queue.Queue()
+        self._ctx = zmq.Context.instance()
+        self._identity = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        self._router: zmq.Socket | None = None
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._owners: dict[int, bytes] = {}      # ROUTER: room -> D identity
+        self._expected: dict[int, str] = {}      # DEALER: room -> P endpoint asked
+        self._stats: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._stop = threading.Event()
+        self.port: int | None = None
+        self.address: str | None = None
+        if bind is not None:
+            host, _, port = bind.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"side channel bind address must be host:port, got {bind!r}")
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
+            if int(port) == 0:
+                self.port = self._router.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._router.bind(f"tcp://{host}:{port}")
+                self.port = int(port)
+            self.address = f"{host}:{self.port}"
+        self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ owner-thread API
+    def send(self, peer: Peer, msg: m.Message) -> None:
+        """Queue `msg` for `peer` (thread-safe; the I/O thread does the actual send)."""
+        self._put(("send", peer, msg))
+
+    def send_to(self, endpoint: str, msg: m.Message) -> Peer:
+        """Send to the P side channel at "host:port" through a cached DEALER."""
+        peer = Peer("dealer", endpoint)
+        self.send(peer, msg)
+        return peer
+
+    def forget(self, room: int) -> None:
+        self._put(("forget", room))
+
+    def stats(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        self._thread.join(timeout=5)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ------------------------------------------------------------------ I/O thread
+    def _put(self, item: tuple) -> None:
+        if self._stop.is_set():
+            raise RuntimeError(f"{self.name}: side channel is closed")
+        self._outbox.put(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending (buffer full) or we are closing
+
+    def _count(self, key: str) -> None:
+        with self._stats_lock:
+            self._stats[key] += 1
+
+    def _drop(self, peer: Peer, why: str) -> None:
+        self._count("dropped")
+        log.warning("%s: dropped message from %s %r: %s", self.name, peer.kind, peer.key, why)
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        sock = self._dealers.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self._identity)
+            sock.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
+            sock.connect(f"tcp://{endpoint}")
+            self._dealers[endpoint] = sock
+            self._poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _do_send(self, peer: Peer, msg: m.Message) -> None:
+        data = m.encode(msg)
+        if len(data) > self.max_bytes:
+            self._count("send_errors")
+            log.error("%s: not sending %s for room %s: %d bytes > side_channel_max_bytes=%d",
+                      self.name, msg.type, msg.room, len(data), self.max_bytes)
+            return
+        try:
+            if peer.kind == "router":
+                if self._router is None:
+                    raise RuntimeError("this side channel has no ROUTER (bind=None)")
+                self._owners.setdefault(msg.room, peer.key)
+                self._router.send_multipart([peer.key, data], flags=zmq.NOBLOCK)
+            else:
+                if msg.type == "want":
+                    self._expected[msg.room] = peer.key
+                self._dealer(peer.key).send(data, flags=zmq.NOBLOCK)
+            self._count(f"sent_{msg.type}")
+        except (zmq.ZMQError, RuntimeError) as e:
+            self._count("send_errors")
+            log.error("%s: send of %s for room %s to %s %r failed: %s", self.name, msg.type,
+                      msg.room, peer.kind, peer.key, e)
+
+    def _accept(self, peer: Peer, raw: bytes) -> None:
+        try:
+            msg = m.decode(raw, self.max_bytes)
+        except m.MessageError as e:
+            self._drop(peer, str(e))
+            return
+        except Exception as e:  # validation must never kill the listener
+            self._drop(peer, f"unparseable message ({e!r})")
+            return
+        if peer.kind == "router":
+            if msg.type not in _TO_P:
+                self._drop(peer, f"{msg.type} is not a message a P accepts")
+                return
+            owner = self._owners.get(msg.room)
+            if msg.type == "want":
+                if owner is not None and owner != peer.key:
+                    self._drop(peer, f"room {msg.room} is already claimed by another peer")
+                    return
+                self._owners[msg.room] = peer.key
+            elif owner != peer.key:
+                self._drop(peer, f"unknown room {msg.room} for this peer")
+                return
+        else:
+            if msg.type not in _TO_D:
+                self._drop(peer, f"{msg.type} is not a message a D accepts")
+                return
+            if self._expected.get(msg.room) != peer.key:
+                self._drop(peer, f"unknown room {msg.room} for this peer")
+                return
+        self._count(f"recv_{msg.type}")
+        self.events.put(SideChannelEvent(peer, msg))
+
+    def _recv_router(self) -> None:
+        assert self._router is not None
+        while True:
+            try:
+                frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer = Peer("router", frames[0])
+            body = [f for f in frames[1:] if f]
+            if len(body) != 1:
+                self._drop(peer, f"expected one payload frame, got {len(frames) - 1} frames")
+                continue
+            self._accept(peer, body[0])
+
+    def _recv_dealer(self, endpoint: str, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer = Peer("dealer", endpoint)
+            body = [f for f in frames if f]
+            if len(body) != 1:
+                self._drop(peer, f"expected one payload frame, got {len(frames)} frames")
+                continue
+            self._accept(peer, body[0])
+
+    def _drain_outbox(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "send":
+                self._do_send(item[1], item[2])
+            elif item[0] == "forget":
+                self._owners.pop(item[1], None)
+                self._expected.pop(item[1], None)
+
+    def _run(self) -> None:
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        if self._router is not None:
+            self._poller.register(self._router, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(self._poller.poll(200))
+                if not ready:
+                    continue
+                self._drain_outbox()
+                if self._router is not None and self._router in ready:
+                    self._recv_router()
+                for endpoint, sock in list(self._dealers.items()):
+                    if sock in ready:
+                        self._recv_dealer(endpoint, sock)
+        except Exception:  # a bug here must be loud, not a silent dead listener
+            log.exception("%s: side-channel I/O thread crashed", self.name)
+            self._count("crashed")
+            raise
+        finally:
+            self._drain_outbox_on_close()
+
+    def _drain_outbox_on_close(self) -> None:
+        for sock in self._dealers.values():
+            sock.close(linger=0)
+        self._dealers.clear()
+        if self._router is not None:
+            self._router.close(linger=0)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

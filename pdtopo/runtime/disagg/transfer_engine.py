@@ -1,0 +1,310 @@
+"""JaxTransferKVEngine: the process's jax.experimental.transfer server, P and D halves.
+
+One engine per process. It owns the transfer server (started on the process's transfer
+address with `transfer_sockets` transport sockets and a small staging `transfer_size`), a
+cache of connections to peers, and the bookkeeping of what P has registered.
+
+P (scheduler thread):  uuid, deadline = engine.register(room, packed_arrays, expire_s)
+                       ... engine.release(room) on done / failure
+                       the housekeeping thread frees rooms past their deadline (their room ids
+                       are put on `engine.expired`) and issues a tiny await_pull with an
+                       immediate timeout every `sweep_interval_s`: that is what makes the
+                       transfer server process its own expiries (it only does so on activity).
+D (any thread):        fut = engine.pull(peer_transfer_addr, uuid, specs, timeout_s, room=room)
+                       -> concurrent.futures.Future of the pulled (ready) arrays.
+                       A `pull_executor` thread runs conn.pull and waits until every array
+                       is_ready(); the engine's own deadline wraps it (the library can hang
+                       forever on a dead peer or an unknown uuid). On timeout the connection is
+                       poisoned and dropped from the cache and the future fails with
+                       `KVTransferTimeout` naming room and peer. Any error drops the connection
+                       so the next pull reconnects.
+
+Specs must equal what P announced (shape, dtype, sharding): the transfer matches raw shard
+buffers by index and size only. The caller checks that (base.check_packed_meta) before pulling.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime as dt
+import itertools
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdtopo.runtime.disagg.base import KVTransferError
+from pdtopo.runtime.disagg.faults import FaultInjector
+
+log = logging.getLogger(__name__)
+
+
+class KVTransferTimeout(KVTransferError, TimeoutError):
+    """A pull did not complete before its deadline."""
+
+
+def _poison_connection(conn: Any) -> None:
+    """Cancel everything in flight on `conn` (the one use of a private transfer API)."""
+    poison = getattr(conn, "_poison_connection", None)
+    if poison is None:
+        log.error("this jax version has no TransferConnection._poison_connection; a stuck pull "
+                  "cannot be cancelled and its thread stays blocked")
+        return
+    try:
+        poison()
+    except Exception as e:  # poisoning a dead connection must not fail the caller
+        log.warning("poisoning a transfer connection failed: %r", e)
+
+
+def _deadline_datetime(seconds_from_now: float) -> dt.datetime:
+    """The transfer library's timeouts are absolute datetimes in whole seconds."""
+    return dt.datetime.now() + dt.timedelta(seconds=max(0, math.ceil(seconds_from_now)))
+
+
+@dataclass
+class _Registration:
+    uuid: int
+    arrays: list[Any]
+    deadline: float
+    nbytes: int
+
+
+@dataclass
+class _Pull:
+    room: int
+    peer: str
+    uuid: int
+    deadline: float
+    timeout_s: float
+    future: cf.Future
+    conn: Any = None
+    settled: threading.Event = field(default_factory=threading.Event)
+
+
+class JaxTransferKVEngine:
+    """See the module docstring. Thread-safe; `close()` stops everything it started."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, transfer_sockets: int = 4,
+                 transfer_size_mb: float = 1, pull_workers: int = 4,
+                 fault_injection_prob: float = 0.0, seed: int = 0,
+                 sweep_interval_s: float = 0.5, client: Any = None) -> None:
+        import jax
+        import numpy as np
+        from jax.experimental import transfer
+
+        if transfer_sockets < 1:
+            raise ValueError(f"disaggregation.transfer_sockets must be >= 1, got {transfer_sockets}")
+        if pull_workers < 1:
+            raise ValueError(f"disaggregation.pull_workers must be >= 1, got {pull_workers}")
+        if transfer_size_mb <= 0:
+            raise ValueError(f"disaggregation.transfer_size_mb must be > 0, got {transfer_size_mb}")
+        self._client = client if client is not None else jax.devices()[0].client
+        self._server = transfer.start_transfer_server(
+            self._client, f"{host}:{int(port)}", [f"{host}:0"] * int(transfer_sockets),
+            transfer_size=int(transfer_size_mb * (1 << 20)))
+        self.address: str = self._server.address()
+        self.faults = FaultInjector(fault_injection_prob, seed)
+        self.expired: queue.Queue[int] = queue.Queue()
+        self.sweep_interval_s = float(sweep_interval_s)
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _Registration] = {}
+        self._conns: dict[str, Any] = {}
+        self._pulls: dict[int, _Pull] = {}
+        self._pull_ids = itertools.count()
+        self._uuids = itertools.count(1)
+        self._uuid_base = (int.from_bytes(os.urandom(3), "big") << 32) & (2**62 - 1)
+        self._tiny = jax.device_put(np.zeros((1,), np.uint8), jax.devices()[0])
+        self.pull_executor = cf.ThreadPoolExecutor(max_workers=int(pull_workers),
+                                                   thread_name_prefix="kv-pull")
+        self._stop = threading.Event()
+        self._housekeeper = threading.Thread(target=self._housekeeping, name="kv-engine-sweep",
+                                             daemon=True)
+        self._housekeeper.start()
+
+    @classmethod
+    def from_context(cls, ctx: Any) -> JaxTransferKVEngine:
+        """Build from a ProcessContext: its address, ports.transfer and `disaggregation:`."""
+        d = ctx.cfg.disaggregation
+        return cls(ctx.address, int(ctx.ports.get("transfer", 0)),
+                   transfer_sockets=int(d.transfer_sockets),
+                   transfer_size_mb=float(d.transfer_size_mb),
+                   pull_workers=int(d.pull_workers),
+                   fault_injection_prob=float(d.fault_injection_prob),
+                   seed=int(ctx.cfg.engine.seed))
+
+    # ------------------------------------------------------------------ P side
+    def new_uuid(self) -> int:
+        """A transfer uuid unique in this process (never reused: a reused uuid hangs pulls)."""
+        return self._uuid_base + next(self._uuids)
+
+    def register(self, room: int, arrays: Sequence[Any], expire_s: float) -> tuple[int, float]:
+        """await_pull `arrays` under a fresh uuid for room; returns (uuid, deadline unix s)."""
+        arrays = list(arrays)
+        if not arrays:
+            raise ValueError(f"room {room}: nothing to register (empty array list)")
+        if expire_s <= 0:
+            raise ValueError(f"disaggregation.sender_expiry_s must be > 0, got {expire_s}")
+        uid = self.new_uuid()
+        deadline = time.time() + float(expire_s)
+        with self._lock:
+            if room in self._rooms:
+                raise KVTransferError(f"room {room} is already registered for a pull")
+            self._server.await_pull(uid, arrays, timeout=_deadline_datetime(expire_s))
+            self._rooms[room] = _Registration(uid, arrays, deadline,
+                                              sum(int(a.nbytes) for a in arrays))
+        return uid, deadline
+
+    def release(self, room: int) -> bool:
+        """Drop P's reference to a room's arrays (after done / failure). True if it was held."""
+        with self._lock:
+            return self._rooms.pop(room, None) is not None
+
+    def num_registered(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
+    def registered_bytes(self) -> int:
+        with self._lock:
+            return sum(r.nbytes for r in self._rooms.values())
+
+    def sweep(self, now: float | None = None) -> list[int]:
+        """Free rooms past their deadline (also put on `expired`) and kick server expiry."""
+        now = time.time() if now is None else now
+        with self._lock:
+            gone = [room for room, r in self._rooms.items() if r.deadline <= now]
+            for room in gone:
+                del self._rooms[room]
+            try:  # tiny registration that expires at once: makes the server process expiries
+                self._server.await_pull(self.new_uuid(), [self._tiny],
+                                        timeout=_deadline_datetime(0))
+            except Exception as e:
+                log.warning("transfer server expiry kick failed: %r", e)
+        for room in gone:
+            log.warning("room %s: KV registered for a pull expired unpulled; released", room)
+            self.expired.put(room)
+        return gone
+
+    # ------------------------------------------------------------------ D side
+    def _connection(self, peer: str) -> Any:
+        with self._lock:
+            conn = self._conns.get(peer)
+            if conn is None:
+                conn = self._server.connect(peer)
+                self._conns[peer] = conn
+            return conn
+
+    def _drop_connection(self, peer: str, conn: Any, *, poison: bool) -> None:
+        with self._lock:
+            if self._conns.get(peer) is conn:
+                del self._conns[peer]
+        if poison and conn is not None:
+            _poison_connection(conn)
+
+    def num_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def pull(self, peer: str, uuid: int, specs: Sequence[Any], timeout_s: float, *,
+             room: int) -> cf.Future:
+        """Pull `specs` (ShapeDtypeStructs with sharding) registered as `uuid` at `peer`."""
+        if timeout_s <= 0:
+            raise ValueError(f"pull timeout must be > 0 s, got {timeout_s}")
+        fut: cf.Future = cf.Future()
+        p = _Pull(room=room, peer=peer, uuid=uuid, deadline=time.monotonic() + timeout_s,
+                  timeout_s=timeout_s, future=fut)
+        pid = next(self._pull_ids)
+        with self._lock:
+            self._pulls[pid] = p
+        fut.add_done_callback(lambda _f: self._forget_pull(pid))
+        self.pull_executor.submit(self._pull_job, p, list(specs))
+        return fut
+
+    def _forget_pull(self, pid: int) -> None:
+        with self._lock:
+            self._pulls.pop(pid, None)
+
+    @staticmethod
+    def _settle(p: _Pull, result: Any = None, exc: BaseException | None = None) -> bool:
+        with _SETTLE_LOCK:
+            if p.future.done():
+                return False
+            if exc is not None:
+                p.future.set_exception(exc)
+            else:
+                p.future.set_result(result)
+            return True
+
+    def _time_out(self, p: _Pull) -> None:
+        exc = KVTransferTimeout(
+            f"room {p.room}: pull of KV (uuid {p.uuid}) from peer {p.peer} did not complete "
+            f"within {p.timeout_s:g} s", status=504)
+        if self._settle(p, exc=exc):
+            log.warning("%s; poisoning the connection", exc)
+            self._drop_connection(p.peer, p.conn, poison=True)
+
+    def _pull_job(self, p: _Pull, specs: list[Any]) -> None:
+        import jax
+
+        try:
+            if p.future.done():
+                return
+            self.faults.check(f"pull of room {p.room} from {p.peer}")
+            p.conn = self._connection(p.peer)
+            arrays = p.conn.pull(p.uuid, specs)
+            delay = 0.0005
+            while not all(a.is_ready() for a in arrays):
+                if p.future.done():
+                    return
+                if time.monotonic() >= p.deadline:
+                    self._time_out(p)
+                    return
+                time.sleep(delay)
+                delay = min(delay * 2, 0.005)
+            jax.block_until_ready(arrays)  # ready arrays: raises at once if the pull failed
+            self._settle(p, result=arrays)
+        except KVTransferError as e:
+            self._settle(p, exc=e)
+        except Exception as e:
+            if p.conn is not None:
+                self._drop_connection(p.peer, p.conn, poison=False)
+            self._settle(p, exc=KVTransferError(
+                f"room {p.room}: pull of KV (uuid {p.uuid}) from peer {p.peer} failed: {e}",
+                status=502))
+
+    # ------------------------------------------------------------------ housekeeping
+    def _housekeeping(self) -> None:
+        while not self._stop.wait(self.sweep_interval_s):
+            try:
+                self.sweep()
+                now = time.monotonic()
+                with self._lock:
+                    late = [p for p in self._pulls.values() if now >= p.deadline + 1.0]
+                for p in late:  # backstop: a worker stuck inside the library itself
+                    self._time_out(p)
+            except Exception:
+                log.exception("kv engine housekeeping failed")
+
+    def close(self) -> None:
+        """Stop housekeeping, fail pending pulls, shut the pull executor down."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._housekeeper.join(timeout=5)
+        with self._lock:
+            pending = list(self._pulls.values())
+            conns = list(self._conns.values())
+            self._conns.clear()
+            self._rooms.clear()
+        for p in pending:
+            self._settle(p, exc=KVTransferError(f"room {p.room}: KV engine closed"))
+        for conn in conns:
+            _poison_connection(conn)
+        self.pull_executor.shutdown(wait=True, cancel_futures=True)
+
+
+_SETTLE_LOCK = threading.Lock()
