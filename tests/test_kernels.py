@@ -197,6 +197,10 @@ def test_bad_inputs_raise_clear_errors():
         insert_kv_chunks(pool, packed[:1], [1, 2])
     with pytest.raises(ValueError, match=r"packed\[1\] has shape \(2, 4, 2, 8\)"):
         insert_kv_chunks(pool, [packed[0], jnp.zeros((2, PAGE, 2, HEAD_DIM))], [1, 2])
+    with pytest.raises(ValueError, match=r"packed\[0\] has dtype bfloat16; the pool holds float32"):
+        insert_kv_chunks(pool, [p.astype(jnp.bfloat16) for p in packed], [1, 2])
+    with pytest.raises(ValueError, match="interpret must be None, a bool or"):
+        insert_kv_chunks(pool, packed, [1, 2], impl="pallas", interpret="yes")
     with pytest.raises(ValueError, match="kv_caches must be a list"):
         select_from_kv_caches(pool[0], [1])
     with pytest.raises(ValueError, match=r"kv_caches\[1\] has shape"):
@@ -204,3 +208,15 @@ def test_bad_inputs_raise_clear_errors():
     # nothing above consumed the pool
     _assert_pool(pool, ref)
     assert insert_kv_chunks(pool, [p[:0] for p in packed], []) == pool
+
+
+def test_explicit_interpret_params_and_numpy_packed():
+    from jax.experimental.pallas import tpu as pltpu
+
+    rng = np.random.default_rng(23)
+    ids = [6, 7, 1]
+    ref = _pool(rng, num_entries=2)
+    packed = [_rand(rng, (len(ids), PAGE, HEADS, HEAD_DIM), np.float32) for _ in ref]
+    got = insert_kv_chunks(_put(ref, None), packed, np.asarray(ids), impl="pallas",
+                           interpret=pltpu.InterpretParams(dma_execution_mode="eager"))
+    _assert_pool(got, _np_scatter(ref, packed, ids))

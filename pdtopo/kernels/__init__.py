@@ -92,6 +92,9 @@ def _check_packed(pool: tuple, packed, n: int) -> tuple:
         shape = tuple(np.shape(p))
         if len(shape) != 4 or shape[1:] != want_tail:
             raise ValueError(f"packed[{i}] has shape {shape}; expected [n, {', '.join(map(str, want_tail))}]")
+        dtype = np.dtype(getattr(p, "dtype", None))
+        if dtype != pool[0].dtype:
+            raise ValueError(f"packed[{i}] has dtype {dtype}; the pool holds {pool[0].dtype}")
         if rows is None:
             rows = shape[0]
         elif shape[0] != rows:
