@@ -1,0 +1,467 @@
+"""The continuous-batching scheduler: the one thread that owns the model runner, the KV pool
+(`runner.kv_caches`) and the page allocator.
+
+Data flow. HTTP handlers (asyncio) build validated `Req`s and call `submit(req)` / `abort(rid)`;
+both only put a message into the thread-safe `inbox`. The scheduler thread runs `event_loop()`,
+whose iteration is `step()`:
+
+    drain_inbox()            -> handle_new_request(req) / handle_abort(rid)
+    schedule()               -> schedule_prefill() (waiting queue, token budget
+                                engine.max_prefill_tokens, admission by free pages, chunked
+                                when a prompt exceeds the budget), else schedule_decode()
+                                (every running request, growing page tables, preempting
+                                the newest requests when pages run out)
+    run_batch(batch)         -> runner.forward(chunks), Sampler, then per request
+                                on_prefill_finished(req, token) or process_new_token(req, token)
+    publish_stats()          -> counters for /pdtopo/state, /get_load and Prometheus
+    idle_wait()              -> when there is nothing to run: block on the inbox briefly
+
+Outputs go to each request's sink (`ReqOutput`: new tokens; the finish reason at the end).
+
+Extension points for the PD mixins (override, call super() where it makes sense):
+- `handle_new_request(req)`: a validated request arrives (P/D may route it to their own queues).
+- `on_prefill_finished(req, next_token)`: the prompt's KV is in the pool and the first output
+  token is sampled. Default: `process_new_token` then `add_to_running`. P sends KV + token instead.
+- `add_to_running(req)`: put a request whose prompt KV is in pages it owns (`req.page_ids`,
+  `req.num_computed == len(req.prompt_ids)`) and whose first output token is known into the
+  decode batch. D's path: call `process_new_token(req, first_token)` (it emits the token and
+  checks stop conditions; it returns True if the request finished) and then `add_to_running`.
+- `free_request(req)`: return a request's pages and drop it from the queues (P may defer).
+- `finish_request(req, reason)`: finish with a `FinishReason` dict, free, emit the final output.
+- `has_work()`, `schedule()`, `step()`, `event_loop()`, `idle_wait()`: the loop itself; mixins
+  with their own queues poll them in `step()` and report pending work in `has_work()`.
+Helpers: `alloc_pages(n)`, `pages_for(num_tokens)`, `make_chunk(...)`, `emit(req)`.
+Requests carry `bootstrap_host/port/room` untouched for the mixins.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdtopo.runtime.metrics import EngineMetrics
+from pdtopo.runtime.page_allocator import OutOfPages, PageAllocator
+from pdtopo.runtime.request import FinishReason, Req, ReqOutput, ReqStatus
+from pdtopo.runtime.sampling import RowParams, Sampler
+
+log = logging.getLogger("pdtopo.scheduler")
+
+_STOP = object()
+
+
+def _seq_chunk_cls():
+    from pdtopo.runtime.model_runner import SeqChunk
+
+    return SeqChunk
+
+
+@dataclass
+class ScheduledBatch:
+    kind: str                                  # "prefill" | "decode"
+    reqs: list[Req]
+    chunks: list[Any]
+    completes: list[bool] = field(default_factory=list)  # prefill: last chunk of the sequence?
+
+
+class Scheduler:
+    """Continuous batching over a paged KV pool (see the module docstring for the hooks)."""
+
+    role = "colocated"
+
+    def __init__(self, ctx, runner, tokenizer, metrics: EngineMetrics | None = None):
+        self.ctx = ctx
+        eng = ctx.cfg.engine
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.page_size = int(runner.page_size)
+        self.allocator = PageAllocator(int(runner.num_pages))
+        self.max_model_len = int(eng.max_model_len)
+        self.max_prefill_tokens = int(eng.max_prefill_tokens)
+        self.max_running = int(eng.max_running_requests)
+        self.base_seed = int(eng.seed)
+        self.model_name = str(eng.get("served_model_name") or ctx.cfg.model.name)
+        self.metrics = metrics or EngineMetrics(self.model_name, getattr(ctx, "role", self.role))
+        self.eos_ids = set(int(t) for t in (tokenizer.eos_token_ids or []))
+        self.sampler = Sampler()
+        self.inbox: queue.Queue = queue.Queue()
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self._seed_rng = random.Random(self.base_seed)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, Any] = {}
+        self.num_forward = 0
+        self.num_generated = 0
+        self.num_prefill_tokens = 0
+        self.num_preemptions = 0
+        self._tput_window: deque[tuple[float, int]] = deque()
+        self.alive = True
+        self.publish_stats()
+
+    # ------------------------------------------------------------------ thread-safe API
+    def submit(self, req: Req) -> None:
+        """Hand a validated request to the scheduler thread."""
+        self.inbox.put(("new", req))
+
+    def abort(self, rid: str) -> None:
+        """Abort a request (client gone); its pages are freed on the scheduler thread."""
+        self.inbox.put(("abort", rid))
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> str | None:
+        """Why a request can never be served (None if it can). Reads constants only."""
+        if prompt_len <= 0:
+            return "the prompt is empty"
+        total = prompt_len + max_new_tokens
+        if total > self.max_model_len:
+            return (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+                    f"exceeds the context length engine.max_model_len={self.max_model_len}")
+        pages = self.pages_for(total)
+        if pages > self.allocator.num_total:
+            return (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs "
+                    f"{pages} KV pages, the pool has {self.allocator.num_total}")
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.event_loop, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self.inbox.put((_STOP, None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("scheduler thread did not stop within %.0fs", timeout)
+
+    def warmup(self) -> None:
+        """Compile the sampler for every batch size the loop can produce (scheduler thread or
+        before `start()`); uses real runner logits so shardings match. Writes only page 0."""
+        make = _seq_chunk_cls()
+        for n in range(1, self.max_running + 1):
+            logits = self.runner.forward([make([0], 0, [0]) for _ in range(n)])
+            self.sampler.sample(logits, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
+            self.sampler.sample(logits, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
+
+    # ------------------------------------------------------------------ loop
+    def event_loop(self) -> None:
+        log.info("scheduler loop started (pages=%d, page_size=%d)", self.allocator.num_total,
+                 self.page_size)
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception as exc:  # a bug in one step must not kill the server
+                log.exception("scheduler step failed; failing in-flight requests")
+                for req in list(self.reqs.values()):
+                    self.finish_request(req, FinishReason.abort(f"engine error: {exc}"))
+        for req in list(self.reqs.values()):
+            self.finish_request(req, FinishReason.abort("server shutting down", 503))
+        self.alive = False
+        self.publish_stats()
+        log.info("scheduler loop stopped")
+
+    def step(self) -> None:
+        self.drain_inbox()
+        batch = self.schedule()
+        if batch is None:
+            self.publish_stats()
+            self.idle_wait()
+            return
+        self.run_batch(batch)
+        self.publish_stats()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def idle_wait(self, timeout: float | None = None) -> None:
+        """Block until a message arrives (or `timeout`), and handle it."""
+        if timeout is None:
+            timeout = 0.005 if self.has_work() else 0.1
+        try:
+            msg = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self.dispatch(msg)
+
+    def drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.dispatch(msg)
+
+    def dispatch(self, msg: tuple[Any, Any]) -> None:
+        kind, payload = msg
+        if kind == "new":
+            self.handle_new_request(payload)
+        elif kind == "abort":
+            self.handle_abort(payload)
+        elif kind is _STOP:
+            self._stop.set()
+        else:
+            raise ValueError(f"unknown scheduler message {kind!r}")
+
+    # ------------------------------------------------------------------ requests
+    def handle_new_request(self, req: Req) -> None:
+        err = self.check_fits(len(req.prompt_ids), req.sampling.max_new_tokens)
+        if err is None and req.rid in self.reqs:
+            err = f"duplicate request id rid={req.rid!r}"
+        if err is not None:
+            self.finish_request(req, FinishReason.abort(err, 400))
+            return
+        if req.sampling.seed is None:
+            req.sampling.seed = self.default_seed(req)
+        req.status = ReqStatus.WAITING
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def default_seed(self, req: Req) -> int:
+        """Seed of a request that gave none: from the PD room when present (P and D agree)."""
+        if req.bootstrap_room is not None:
+            return (self.base_seed * 0x9E3779B97F4A7C15 + int(req.bootstrap_room)) % 2**63
+        return self._seed_rng.getrandbits(63)
+
+    def handle_abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is not None and not req.finished:
+            log.info("aborting %s", req)
+            self.finish_request(req, FinishReason.abort("aborted by client", 499))
+
+    def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
+        req.finish_reason = reason
+        self.free_request(req)
+        req.status = ReqStatus.FINISHED
+        self.reqs.pop(req.rid, None)
+        self.emit(req)
+        self.metrics.e2e.observe(time.monotonic() - req.arrival_time)
+        self.metrics.request_finished(reason.get("type", "unknown"))
+
+    def free_request(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.page_ids:
+            self.allocator.free(req.page_ids)
+            req.page_ids = []
+        req.num_computed = 0
+
+    def emit(self, req: Req) -> None:
+        new = req.output_ids[req.num_emitted:]
+        if not new and not req.finished:
+            return
+        req.num_emitted = len(req.output_ids)
+        req.sink.emit(ReqOutput(
+            rid=req.rid, new_token_ids=list(new), num_output_tokens=len(req.output_ids),
+            prompt_tokens=len(req.prompt_ids), finished=req.finished,
+            finish_reason=req.finish_reason))
+
+    def add_to_running(self, req: Req) -> None:
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    def on_prefill_finished(self, req: Req, next_token: int) -> None:
+        if not self.process_new_token(req, next_token):
+            self.add_to_running(req)
+
+    def process_new_token(self, req: Req, token: int) -> bool:
+        """Append a sampled token, emit it, finish the request if a stop condition holds."""
+        now = time.monotonic()
+        req.output_ids.append(int(token))
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival_time)
+        elif req.last_token_time is not None:
+            self.metrics.itl.observe(now - req.last_token_time)
+            self.metrics.tpot.observe(now - req.last_token_time)
+        req.last_token_time = now
+        self.num_generated += 1
+        self.metrics.generation_tokens.inc()
+        reason = self.check_stop(req)
+        if reason is not None:
+            self.finish_request(req, reason)
+            return True
+        self.emit(req)
+        return False
+
+    def check_stop(self, req: Req) -> dict[str, Any] | None:
+        sp = req.sampling
+        tok = req.output_ids[-1]
+        if len(req.output_ids) >= sp.max_new_tokens or req.seq_len >= self.max_model_len:
+            return FinishReason.length(len(req.output_ids))
+        if not sp.ignore_eos and tok in self.eos_ids:
+            return FinishReason.stop_token(tok)
+        if tok in sp.stop_token_ids:
+            return FinishReason.stop_token(tok)
+        if sp.stop:
+            text = self.tokenizer.decode(req.output_ids)
+            for s in sp.stop:
+                if s in text:
+                    return FinishReason.stop_str(s)
+        return None
+
+    # ------------------------------------------------------------------ pages
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def alloc_pages(self, n: int) -> list[int]:
+        return self.allocator.alloc(n)
+
+    def make_chunk(self, token_ids: list[int], start_pos: int, page_ids: list[int]):
+        return _seq_chunk_cls()(list(token_ids), int(start_pos), list(page_ids))
+
+    def preempt(self, req: Req) -> None:
+        """Free a request's pages and requeue it at the front; it is recomputed later."""
+        log.info("preempting %s (free pages %d)", req, self.allocator.num_free)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.page_ids:
+            self.allocator.free(req.page_ids)
+            req.page_ids = []
+        req.num_computed = 0
+        req.num_preemptions += 1
+        req.status = ReqStatus.WAITING
+        self.num_preemptions += 1
+        self.metrics.preemptions.inc()
+        self.waiting.appendleft(req)
+
+    def pick_victim(self, exclude: Req) -> Req | None:
+        for req in reversed(self.running):
+            if req is not exclude:
+                return req
+        for req in reversed(self.waiting):  # partially prefilled requests hold pages too
+            if req.page_ids and req is not exclude:
+                return req
+        return None
+
+    # ------------------------------------------------------------------ batches
+    def schedule(self) -> ScheduledBatch | None:
+        return self.schedule_prefill() or self.schedule_decode()
+
+    def schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_prefill_tokens
+        batch = ScheduledBatch("prefill", [], [])
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(batch.reqs) >= self.max_running:
+                break
+            need = self.pages_for(req.seq_len) - len(req.page_ids)
+            if need > 0:
+                # Keep one page per decoding request in reserve so admission does not force
+                # an immediate preemption; with nothing running, any request that fits goes.
+                reserve = len(self.running) + len(batch.reqs)
+                if need + reserve > self.allocator.num_free:
+                    break  # FCFS: wait for pages
+                req.page_ids.extend(self.alloc_pages(need))
+            remaining = req.seq_len - req.num_computed
+            n = min(remaining, budget)
+            tokens = req.all_ids[req.num_computed:req.num_computed + n]
+            batch.reqs.append(req)
+            batch.chunks.append(self.make_chunk(tokens, req.num_computed, req.page_ids))
+            batch.completes.append(n == remaining)
+            budget -= n
+        return batch if batch.reqs else None
+
+    def schedule_decode(self) -> ScheduledBatch | None:
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted while growing an earlier request
+            need = self.pages_for(req.seq_len) - len(req.page_ids)
+            while need > 0 and not self.allocator.can_alloc(need):
+                victim = self.pick_victim(exclude=req)
+                if victim is None:
+                    break
+                self.preempt(victim)
+            if need > 0:
+                try:
+                    req.page_ids.extend(self.alloc_pages(need))
+                except OutOfPages:
+                    self.finish_request(req, FinishReason.abort(
+                        f"out of KV pages mid-decode ({self.allocator.num_free} free, "
+                        f"{need} needed)", 503))
+        if not self.running:
+            return None
+        batch = ScheduledBatch("decode", list(self.running), [])
+        for req in batch.reqs:
+            tokens = req.all_ids[req.num_computed:]
+            batch.chunks.append(self.make_chunk(tokens, req.num_computed, req.page_ids))
+        return batch
+
+    def row_params(self, req: Req) -> RowParams:
+        sp = req.sampling
+        return RowParams(sp.temperature, sp.top_k, sp.top_p, int(sp.seed or 0),
+                         len(req.output_ids))
+
+    def run_batch(self, batch: ScheduledBatch) -> None:
+        try:
+            logits = self.runner.forward(batch.chunks)
+            tokens = self.sampler.sample(logits, [self.row_params(r) for r in batch.reqs])
+        except Exception as exc:
+            log.exception("%s batch of %d failed", batch.kind, len(batch.reqs))
+            for req in batch.reqs:
+                self.finish_request(req, FinishReason.abort(f"engine error: {exc}"))
+            return
+        self.num_forward += 1
+        for i, req in enumerate(batch.reqs):
+            if req.finished:
+                continue
+            n = len(batch.chunks[i].token_ids)
+            req.num_computed += n
+            if batch.kind == "prefill":
+                self.num_prefill_tokens += n
+                self.metrics.prompt_tokens.inc(n)
+                if not batch.completes[i]:
+                    continue
+                self.waiting.remove(req)
+                self.on_prefill_finished(req, int(tokens[i]))
+            else:
+                self.process_new_token(req, int(tokens[i]))
+
+    # ------------------------------------------------------------------ stats
+    def publish_stats(self) -> None:
+        now = time.monotonic()
+        win = self._tput_window
+        win.append((now, self.num_generated))
+        while len(win) > 2 and now - win[0][0] > 5.0:
+            win.popleft()
+        dt = now - win[0][0]
+        tput = (self.num_generated - win[0][1]) / dt if dt > 0 else 0.0
+        num_tokens = sum(r.seq_len for r in self.running) + sum(r.seq_len for r in self.waiting)
+        stats = {
+            "free_pages": self.allocator.num_free,
+            "total_pages": self.allocator.num_total,
+            "page_size": self.page_size,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_reqs": len(self.reqs),
+            "num_tokens": num_tokens,
+            "num_forward": self.num_forward,
+            "num_generated": self.num_generated,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_preemptions": self.num_preemptions,
+            "gen_throughput": tput,
+            "alive": self.alive,
+        }
+        with self._stats_lock:
+            self._stats = stats
+        m = self.metrics
+        m.num_running.set(stats["num_running"])
+        m.num_queue.set(stats["num_waiting"])
+        m.gen_throughput.set(tput)
+        m.free_pages.set(stats["free_pages"])
+        m.total_pages.set(stats["total_pages"])
+        m.token_usage.set(1.0 - stats["free_pages"] / max(1, stats["total_pages"]))
