@@ -220,3 +220,16 @@ def test_explicit_interpret_params_and_numpy_packed():
     got = insert_kv_chunks(_put(ref, None), packed, np.asarray(ids), impl="pallas",
                            interpret=pltpu.InterpretParams(dma_execution_mode="eager"))
     _assert_pool(got, _np_scatter(ref, packed, ids))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_packed_on_other_devices_is_moved_to_the_pool_sharding(impl):
+    sharding = _sharding(2)
+    rng = np.random.default_rng(29)
+    ref = _pool(rng, num_entries=2)
+    for ids in ([2, 3, 4], list(range(5, 13))):  # padded and exact-bucket lengths
+        packed = [_rand(rng, (len(ids), PAGE, HEADS, HEAD_DIM), np.float32) for _ in ref]
+        on_dev3 = [jax.device_put(p, jax.devices()[3]) for p in packed]
+        got = insert_kv_chunks(_put(ref, sharding), on_dev3, ids, impl=impl)
+        _assert_pool(got, _np_scatter(ref, packed, ids))
+        assert all(g.sharding == sharding for g in got)

@@ -117,10 +117,12 @@ def insert_kv_chunks(kv_caches, packed, page_ids, impl: str = "auto",
         return list(pool)
     bucket = bucket_size(n)
     shardings = _pool_shardings(pool)
+    # packed pages live where the pool lives (same devices, same head sharding)
+    packed = tuple(
+        p if isinstance(p, jax.Array) and p.sharding == kv.sharding else jax.device_put(p, kv.sharding)
+        for p, kv in zip(packed, pool, strict=True))
     if packed[0].shape[0] != bucket:
         packed = xla_copy.pad_leading(packed, bucket, shardings=shardings)
-    elif shardings is not None:
-        packed = tuple(jax.device_put(p, s) for p, s in zip(packed, shardings, strict=True))
     if impl == "xla":
         num_pages = pool[0].shape[0]
         out = xla_copy.scatter_pages(pool, packed, _runs.pad_ids(ids, bucket, num_pages),
