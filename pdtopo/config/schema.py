@@ -2,7 +2,7 @@
 
 `conf/topology/*.yaml` is merged onto `TopologySchema` and `conf/proxy/*.yaml` onto
 `ProxySchema`; that merge type-checks every value and rejects unknown keys. The dataclasses are
-also registered in Hydra's ConfigStore (group `schema`) so tools can look them up by name.
+also registered in Hydra's ConfigStore (`pdtopo_topology_schema`, `pdtopo_proxy_schema`) so tools can look them up by name.
 `typed_topology(cfg)` / `typed_proxy(cfg)` are what the planner calls; they raise
 `TopologyError` naming the offending key and value. Semantic checks (chips, ports, accelerator
 splits) live in `pdtopo.launcher.validate`.
@@ -134,8 +134,8 @@ def typed_proxy(cfg: DictConfig) -> ProxySchema:
 
 def register_schemas() -> None:
     cs = ConfigStore.instance()
-    cs.store(group="schema", name="topology", node=TopologySchema)
-    cs.store(group="schema", name="proxy", node=ProxySchema)
+    cs.store(name="pdtopo_topology_schema", node=TopologySchema)
+    cs.store(name="pdtopo_proxy_schema", node=ProxySchema)
 
 
 register_schemas()

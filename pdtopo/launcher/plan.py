@@ -169,6 +169,7 @@ def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
         validate.check_chip_set(acc, "topology.decode.chips", chips)
         servers = [_Server("local_0", "local", 0, topo.prefill, chips, "topology.prefill.chips")]
     affinity = share_cores(len(servers), cpus if acc.platform == "cpu" else None)
+    server_module = str(OmegaConf.select(cfg, "launcher.server_module", default=SERVER_MODULE))
     out = []
     for k, s in enumerate(servers):
         host, address = validate.host_address(topo, f"topology.{s.role}.host", s.spec.host)
@@ -189,7 +190,7 @@ def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
         out.append(Process(
             name=s.name, role=s.role, host=host, address=address, instance_id=s.name,
             rank=default_rank(tp), chips=list(s.chips), mesh=dict(s.spec.mesh), ports=ports,
-            env=env, command=_runtime_cmd(python, SERVER_MODULE, run_dir, s.name),
+            env=env, command=_runtime_cmd(python, server_module, run_dir, s.name),
             health_url=f"http://{address}:{ports['http']}/health", priority=PRIORITY[s.role],
             cpu_affinity=affinity[k], port_keys=keys,
         ))

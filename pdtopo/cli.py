@@ -1,0 +1,131 @@
+"""`pdtopo` command line: dispatch on the verb, hand config-composing verbs to Hydra.
+
+  pdtopo launch [--detach] <hydra overrides> [-m]   bring a deployment up (see launcher/launch.py)
+  pdtopo render <hydra overrides>                   write the run dir only (dry run)
+  pdtopo status [RUN_DIR] | stop [RUN_DIR]          operate on a run (latest by default)
+  pdtopo logs PROGRAM [RUN_DIR] [-f]
+  pdtopo diff [--format rich|markdown] <overrides A> -- <overrides B>
+  pdtopo diff --rev GITREV [--format ...] <overrides>
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+USAGE = __doc__.split("\n\n", 1)[1]
+EXIT_USAGE = 2
+
+
+def _launch(argv: list[str]) -> int:
+    from pdtopo.launcher.hydra_app import run_app
+    from pdtopo.launcher.launch import LaunchOptions, launch_job
+
+    detach = "--detach" in argv
+    rest = [a for a in argv if a != "--detach"]
+    return run_app("launch", rest, lambda cfg, run, multi: launch_job(
+        cfg, run, LaunchOptions(detach=detach, multirun=multi)))
+
+
+def _render(argv: list[str]) -> int:
+    from pdtopo.launcher.hydra_app import run_app
+    from pdtopo.launcher.launch import render_job
+
+    return run_app("render", argv, lambda cfg, run, multi: render_job(cfg, run))
+
+
+def _run_dir_verb(verb: str, argv: list[str]) -> int:
+    from pdtopo.launcher import operate
+    from pdtopo.launcher.run_dir import resolve_run_dir
+
+    parser = argparse.ArgumentParser(prog=f"pdtopo {verb}")
+    if verb == "logs":
+        parser.add_argument("program")
+    parser.add_argument("run_dir", nargs="?", default=None)
+    if verb == "logs":
+        parser.add_argument("-f", "--follow", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        run = resolve_run_dir(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"pdtopo {verb}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if verb == "status":
+        return operate.status(run)
+    if verb == "stop":
+        return operate.stop(run)
+    return operate.logs(run, args.program, args.follow)
+
+
+def _diff(argv: list[str]) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pdtopo.config.compose import compose_config, conf_dir
+    from pdtopo.config.schema import TopologyError
+    from pdtopo.launcher import diff, display
+    from pdtopo.launcher.launch import host_cpus
+
+    parser = argparse.ArgumentParser(prog="pdtopo diff")
+    parser.add_argument("--rev", default=None, help="compare conf/ at this git revision")
+    parser.add_argument("--format", choices=("rich", "markdown"), default="rich")
+    parser.add_argument("overrides", nargs="*")
+    if "--" in argv:
+        cut = argv.index("--")
+        args = parser.parse_args(argv[:cut])
+        side_b = parser.parse_args(argv[cut + 1:])
+        args.rev = args.rev or side_b.rev
+        args.format = side_b.format if side_b.format != "rich" else args.format
+        over_a, over_b = args.overrides, side_b.overrides
+    else:
+        args = parser.parse_args(argv)
+        over_a = over_b = args.overrides
+        if args.rev is None:
+            parser.error("give two override sets separated by --, or --rev GITREV")
+    err = display.console(stderr=True)
+    try:
+        if args.rev:
+            with diff.temp_dir() as tmp:
+                old_conf = diff.conf_at_rev(args.rev, conf_dir(), Path(tmp))
+                cfg_a = compose_config(over_a, config_dir=old_conf)
+                cfg_b = compose_config(over_b)
+                label_a, label_b = f"conf@{args.rev}", "working tree"
+                res = diff.diff_configs(cfg_a, cfg_b, host_cpus(), label_a, label_b)
+        else:
+            cfg_a, cfg_b = compose_config(over_a), compose_config(over_b)
+            res = diff.diff_configs(cfg_a, cfg_b, host_cpus(),
+                                    " ".join(over_a) or "defaults", " ".join(over_b) or "defaults")
+    except TopologyError as exc:
+        display.print_topology_error(exc, err)
+        return EXIT_USAGE
+    except (HydraException, OmegaConfBaseException, RuntimeError, OSError) as exc:
+        err.print(f"[bold red]pdtopo diff:[/] {exc}", markup=True, soft_wrap=True)
+        return EXIT_USAGE
+    if args.format == "markdown":
+        sys.stdout.write(diff.to_markdown(res))
+    else:
+        diff.print_rich(res, display.console())
+    return 0 if res.identical else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print("usage:\n" + USAGE)
+        return 0 if args else EXIT_USAGE
+    verb, rest = args[0], args[1:]
+    if verb == "launch":
+        return _launch(rest)
+    if verb == "render":
+        return _render(rest)
+    if verb in ("status", "stop", "logs"):
+        return _run_dir_verb(verb, rest)
+    if verb == "diff":
+        return _diff(rest)
+    print(f"pdtopo: unknown command {verb!r}\nusage:\n{USAGE}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

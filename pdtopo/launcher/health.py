@@ -1,0 +1,80 @@
+"""Health probing: one HTTP GET per program's health URL, and the start-order waiter.
+
+`wait_for_programs` walks the plan in start order; each program gets `timeout_s` from the
+moment the programs before it are healthy. It polls supervisord's process states (a FATAL
+program fails the wait at once) and the health URLs, calling `on_update(rows)` after every
+poll so the caller can draw progress. Returns a `WaitResult`.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdtopo.launcher.plan import Plan
+
+FAILED_STATES = {"FATAL"}
+
+
+def probe(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass
+class Row:
+    name: str
+    state: str = "-"
+    pid: int = 0
+    healthy: bool = False
+    waited_s: float = 0.0
+
+
+@dataclass
+class WaitResult:
+    ok: bool
+    rows: list[Row] = field(default_factory=list)
+    failed: str | None = None
+    reason: str = ""
+
+
+def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, int]]],
+                      timeout_s: float, on_update: Callable[[list[Row]], None] | None = None,
+                      poll_s: float = 0.5, probe_fn: Callable[[str], bool] = probe,
+                      clock: Callable[[], float] = time.monotonic) -> WaitResult:
+    order = plan.start_order()
+    rows = {p.name: Row(p.name) for p in order}
+    current, started = 0, clock()
+    while True:
+        states = get_states()
+        now = clock()
+        for proc in order:
+            row = rows[proc.name]
+            row.state, row.pid = states.get(proc.name, ("UNKNOWN", 0))
+            if row.state in FAILED_STATES:
+                if on_update:
+                    on_update(list(rows.values()))
+                return WaitResult(False, list(rows.values()), proc.name,
+                                  f"{proc.name} is {row.state} (it exited during start-up)")
+            if not row.healthy and row.state == "RUNNING":
+                row.healthy = probe_fn(proc.health_url)
+        while current < len(order) and rows[order[current].name].healthy:
+            current, started = current + 1, now
+        if current < len(order):
+            rows[order[current].name].waited_s = now - started
+        if on_update:
+            on_update(list(rows.values()))
+        if current == len(order):
+            return WaitResult(True, list(rows.values()))
+        if now - started > timeout_s:
+            name = order[current].name
+            return WaitResult(False, list(rows.values()), name,
+                              f"{name} not healthy at {order[current].health_url} after "
+                              f"{timeout_s:g} s")
+        time.sleep(poll_s)

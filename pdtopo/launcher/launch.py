@@ -1,0 +1,170 @@
+"""The launch and render jobs: composed config -> validated plan -> run dir -> supervisord.
+
+`prepare` does everything that can fail on bad input without touching disk or processes
+(plan expansion + validation, supervisord.conf rendering). `render_job` then writes the run
+dir; `launch_job` additionally checks host ports, starts supervisord, waits for every program's
+health in start order with a live table, prints endpoints and either returns (detach), tears
+down after bring-up (multirun jobs), or stays up until Ctrl-C / `pdtopo stop`.
+Exit codes: 0 ok, 1 runtime failure (health, FATAL, supervisord), 2 invalid topology.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from rich.live import Live
+
+from pdtopo.config.schema import TopologyError
+from pdtopo.launcher import display
+from pdtopo.launcher.health import wait_for_programs
+from pdtopo.launcher.plan import Plan, expand_plan
+from pdtopo.launcher.ports import check_ports_free
+from pdtopo.launcher.render_supervisord import ProgramSettings, render_supervisord
+from pdtopo.launcher.run_dir import holds_deployment, new_token, remove_if_empty, write_run_dir
+from pdtopo.launcher.supervisor_control import Supervisor, SupervisorError, teardown
+
+LOG_TAIL_LINES = 40
+
+
+@dataclass
+class LaunchOptions:
+    detach: bool = False
+    multirun: bool = False
+
+
+@dataclass
+class Prepared:
+    plan: Plan
+    conf_text: str
+    token: str
+
+
+def host_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
+
+def program_settings(cfg: DictConfig) -> ProgramSettings:
+    return ProgramSettings(
+        startsecs=int(OmegaConf.select(cfg, "launcher.startsecs", default=2)),
+        startretries=int(OmegaConf.select(cfg, "launcher.startretries", default=3)),
+    )
+
+
+def prepare(cfg: DictConfig, run_dir: Path, *, token: str | None = None,
+            workdir: Path | None = None, python: str | None = None,
+            cpus: list[int] | None = None) -> Prepared:
+    run_dir = Path(run_dir)
+    plan = expand_plan(cfg, run_dir=str(run_dir), python=python or sys.executable,
+                       cpus=host_cpus() if cpus is None else cpus)
+    token = token or new_token()
+    conf = render_supervisord(plan, run_dir=run_dir, token=token,
+                              workdir=workdir or Path.cwd(), settings=program_settings(cfg))
+    return Prepared(plan, conf, token)
+
+
+def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool) -> Prepared | None:
+    con = display.console(stderr=True)
+    try:
+        if holds_deployment(run_dir):
+            raise TopologyError("hydra.run.dir", str(run_dir),
+                                "already holds a deployment; pick a new run dir")
+        prepared = prepare(cfg, run_dir)
+        if check_ports:
+            check_ports_free(prepared.plan)
+        return prepared
+    except TopologyError as err:
+        display.print_topology_error(err, con)
+        remove_if_empty(run_dir)
+        return None
+
+
+def render_job(cfg: DictConfig, run_dir: Path) -> int:
+    prepared = _prepare_or_report(cfg, run_dir, check_ports=False)
+    if prepared is None:
+        return 2
+    write_run_dir(run_dir, cfg, prepared.plan, prepared.conf_text, prepared.token)
+    con = display.console()
+    con.print(f"rendered [bold]{prepared.plan.topology}[/] "
+              f"({len(prepared.plan.processes)} programs) into {run_dir}")
+    return 0
+
+
+def log_tail(run_dir: Path, program: str, lines: int = LOG_TAIL_LINES) -> str:
+    path = run_dir / "logs" / f"{program}.log"
+    try:
+        data = path.read_bytes()[-65536:].decode(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(data.splitlines()[-lines:])
+
+
+class _Terminate(Exception):
+    pass
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise _Terminate()
+
+
+def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
+    prepared = _prepare_or_report(cfg, run_dir, check_ports=True)
+    if prepared is None:
+        return 2
+    plan = prepared.plan
+    write_run_dir(run_dir, cfg, plan, prepared.conf_text, prepared.token)
+    con = display.console()
+    con.print(f"launching [bold]{plan.topology}[/] from {run_dir}")
+    sv = Supervisor(run_dir)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        try:
+            sv.start()
+        except SupervisorError as exc:
+            con.print(f"[bold red]error:[/] {exc}")
+            teardown(run_dir)
+            return 1
+        timeout = float(OmegaConf.select(cfg, "launcher.health_timeout_s", default=180))
+        with Live(display.health_table(plan, []), console=con, refresh_per_second=4) as live:
+            result = wait_for_programs(
+                plan, sv.states, timeout,
+                on_update=lambda rows: live.update(display.health_table(plan, rows)))
+        if not result.ok:
+            con.print(f"[bold red]launch failed:[/] {result.reason}")
+            con.rule(f"last lines of logs/{result.failed}.log")
+            con.print(log_tail(run_dir, result.failed or ""), markup=False, highlight=False)
+            con.rule()
+            teardown(run_dir)
+            con.print("torn down")
+            return 1
+        con.print("[bold green]all programs healthy[/]")
+        for line in display.endpoints_text(plan):
+            con.print("  " + line, markup=False)
+        if opts.multirun:
+            teardown(run_dir)
+            con.print("multirun job: torn down after bring-up")
+            return 0
+        if opts.detach:
+            con.print(f"detached; stop with: pdtopo stop {run_dir}")
+            return 0
+        con.print("serving; Ctrl-C or `pdtopo stop` to tear down")
+        while sv.is_up():
+            time.sleep(1.0)
+        con.print("supervisord stopped; checking that nothing is left")
+        teardown(run_dir)
+        return 0
+    except (KeyboardInterrupt, _Terminate):
+        con.print("\ntearing down ...")
+        killed = teardown(run_dir)
+        con.print(f"torn down{f' (killed leftovers {killed})' if killed else ''}")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
