@@ -1,0 +1,167 @@
+"""Side channel: message round trips, validation, ownership; bad input never kills the listener."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import time
+
+import pytest
+import zmq
+
+from pdtopo.runtime.disagg import messages as m
+from pdtopo.runtime.disagg.base import PackedMeta
+from pdtopo.runtime.disagg.side_channel import SideChannel
+
+META = PackedMeta(name="main_kv", pool_type="main_kv", dtype="float32", shape=(3, 4, 2, 8),
+                  num_entries=4, sharding={"kind": "named", "mesh": [["tp", 2]],
+                                           "spec": [None, None, "tp", None], "num_devices": 2})
+READY = m.Ready(room=2**64 - 1, transfer_addr="127.0.0.1:1234", transfer_uuid=99,
+                expires_at=1.5e9, pools=(META,), prompt_len=12, first_token=5,
+                first_logprob=-0.25)
+
+
+@pytest.mark.parametrize("msg", [m.Want(room=1), READY,
+                                 m.Ready(room=3, transfer_addr="h:1", transfer_uuid=0,
+                                         expires_at=0, pools=(META,), prompt_len=0),
+                                 m.Done(room=4, ok=True), m.Done(room=4, ok=False, reason="x"),
+                                 m.Failed(room=5, reason="oom", status=503),
+                                 m.Failed(room=5, reason="no status")])
+def test_encode_decode_round_trip(msg):
+    assert m.decode(m.encode(msg), 65536) == msg
+
+
+@pytest.mark.parametrize("raw,why", [
+    (os.urandom(64) + b"\xff", "UTF-8 JSON"),
+    (b'{"v": 1, "type": "want", "ro', "UTF-8 JSON"),
+    (b"[1, 2]", "JSON object"),
+    (json.dumps({"v": 2, "type": "want", "room": 1}).encode(), "version"),
+    (json.dumps({"type": "want", "room": 1}).encode(), "version"),
+    (json.dumps({"v": 1, "type": "hello", "room": 1}).encode(), "unknown message type"),
+    (json.dumps({"v": 1, "type": "want"}).encode(), "missing field 'room'"),
+    (json.dumps({"v": 1, "type": "want", "room": -1}).encode(), "outside"),
+    (json.dumps({"v": 1, "type": "want", "room": "7"}).encode(), "'room' must be int"),
+    (json.dumps({"v": 1, "type": "done", "room": 1, "ok": 1}).encode(), "'ok' must be bool"),
+    (json.dumps({**m.to_dict(READY), "pools": []}).encode(), "pools is empty"),
+    (json.dumps({**m.to_dict(READY), "pools": [{"name": "x"}]}).encode(), "malformed"),
+    (b" " * 70000, "exceeds side_channel_max_bytes"),
+])
+def test_decode_rejects(raw, why):
+    with pytest.raises(m.MessageError, match=why):
+        m.decode(raw, 65536)
+
+
+def _get(q: queue.Queue, timeout: float = 10):
+    return q.get(timeout=timeout)
+
+
+def _until(cond, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def pair():
+    p = SideChannel(bind="127.0.0.1:0", max_bytes=4096, name="P")
+    d = SideChannel(max_bytes=4096, name="D")
+    yield p, d
+    d.close()
+    p.close()
+
+
+def test_round_trip_over_zmq(pair):
+    p, d = pair
+    d.send_to(p.address, m.Want(room=7))
+    ev = _get(p.events)
+    assert ev.msg == m.Want(room=7) and ev.peer.kind == "router"
+    p.send(ev.peer, m.Ready(room=7, transfer_addr="a:1", transfer_uuid=3, expires_at=1.0, pools=(META,),
+                   prompt_len=2, first_token=1))
+    back = _get(d.events)
+    assert back.msg.type == "ready" and back.msg.room == 7 and back.msg.pools == (META,)
+    assert back.peer.key == p.address
+    d.send(back.peer, m.Done(room=7, ok=True))
+    assert _get(p.events).msg == m.Done(room=7, ok=True)
+    p.send(ev.peer, m.Failed(room=7, reason="late", status=500))
+    assert _get(d.events).msg == m.Failed(room=7, reason="late", status=500)
+
+
+def test_bad_messages_dropped_listener_survives(pair, caplog):
+    p, d = pair
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{p.address}")
+    bad = [os.urandom(100), b'{"v":1,"type":"want","room":', b"x" * 5000,
+           json.dumps({"v": 9, "type": "want", "room": 1}).encode(),
+           json.dumps({"v": 1, "type": "bogus", "room": 1}).encode(),
+           m.encode(m.Done(room=555, ok=True)),            # unknown room for this peer
+           m.encode(READY)]                                # a D-bound type sent to P
+    with caplog.at_level(logging.WARNING, logger="pdtopo.runtime.disagg.side_channel"):
+        for b in bad:
+            raw.send(b)
+        raw.send_multipart([b"a", b"b"])                   # two payload frames
+        deadline = time.monotonic() + 10
+        while p.stats().get("dropped", 0) < len(bad) + 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert p.stats()["dropped"] == len(bad) + 1
+    assert p.events.empty()
+    text = caplog.text
+    for why in ("UTF-8 JSON", "exceeds side_channel_max_bytes", "version", "unknown message type",
+                "unknown room 555", "not a message a P accepts", "payload frame"):
+        assert why in text, why
+    # the listener still works
+    raw.send(m.encode(m.Want(room=8)))
+    assert _get(p.events).msg == m.Want(room=8)
+    raw.close()
+    assert p.alive
+
+
+def test_room_ownership(pair):
+    p, d = pair
+    other = SideChannel(max_bytes=4096, name="D2")
+    try:
+        d.send_to(p.address, m.Want(room=1))
+        owner = _get(p.events).peer
+        other.send_to(p.address, m.Want(room=1))         # a second D claims the same room
+        other.send_to(p.address, m.Want(room=2))
+        assert _get(p.events).msg == m.Want(room=2)       # room 1's claim was dropped
+        other.send_to(p.address, m.Done(room=1, ok=True))  # not its room
+        d.send_to(p.address, m.Done(room=1, ok=True))      # the owner may
+        ev = _get(p.events)
+        assert ev.msg == m.Done(room=1, ok=True) and ev.peer == owner
+        _until(lambda: p.stats().get("dropped", 0) >= 2)
+        assert p.stats()["dropped"] == 2 and p.events.empty()
+        # D accepts ready only for rooms it asked this P for
+        p.send(owner, m.Ready(room=99, transfer_addr="a:1", transfer_uuid=1, expires_at=0,
+                              pools=(META,), prompt_len=0))
+        p.send(owner, m.Failed(room=1, reason="x"))
+        assert _get(d.events).msg == m.Failed(room=1, reason="x")
+        _until(lambda: d.stats().get("dropped", 0) >= 1)
+        assert d.stats()["dropped"] == 1 and d.events.empty()
+        d.forget(1)
+        p.send(owner, m.Failed(room=1, reason="after forget"))
+        _until(lambda: d.stats().get("dropped", 0) >= 2)
+        assert d.stats()["dropped"] == 2 and d.events.empty()
+    finally:
+        other.close()
+
+
+def test_oversized_send_refused(pair, caplog):
+    p, d = pair
+    big = m.Failed(room=1, reason="x" * 5000)
+    with caplog.at_level(logging.ERROR, logger="pdtopo.runtime.disagg.side_channel"):
+        d.send_to(p.address, big)
+        deadline = time.monotonic() + 5
+        while d.stats().get("send_errors", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert d.stats()["send_errors"] == 1 and "side_channel_max_bytes" in caplog.text
+
+
+def test_bad_config_errors():
+    with pytest.raises(ValueError, match="side_channel_max_bytes"):
+        SideChannel(max_bytes=10)
+    with pytest.raises(ValueError, match="host:port"):
+        SideChannel(bind="nonsense")

@@ -1,0 +1,243 @@
+"""JaxTransferKVEngine and the JaxTransfer manager/sender/receiver, in one process.
+
+The engines pull from their own or each other's transfer servers over real loopback TCP; the
+managers talk over a real ZMQ side channel. Process-level tests: test_transfer_processes.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pdtopo.runtime.disagg.base import (
+    KVArgs,
+    KVTransferError,
+    PackedMeta,
+    PoolTransferSpec,
+    SpecMismatchError,
+    check_packed_meta,
+)
+from pdtopo.runtime.disagg.faults import InjectedTransferFault
+from pdtopo.runtime.disagg.jax_transfer import JaxTransferKVManager
+from pdtopo.runtime.disagg.kvpoll import KVPoll
+from pdtopo.runtime.disagg.side_channel import SideChannel
+from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine, KVTransferTimeout
+
+SHAPE = (16, 4, 2, 8)
+
+
+def sharding(tp: int) -> NamedSharding:
+    return NamedSharding(Mesh(np.array(jax.devices()[:tp]), ("tp",)),
+                         PartitionSpec(None, None, "tp", None))
+
+
+def pool(tp: int, fill: bool, entries: int = 4, dtype=np.float32):
+    n = int(np.prod(SHAPE))
+    return [jax.device_put((np.arange(n, dtype=dtype).reshape(SHAPE) + e * n) if fill
+                           else np.zeros(SHAPE, dtype), sharding(tp)) for e in range(entries)]
+
+
+@pytest.fixture
+def engine():
+    e = JaxTransferKVEngine(transfer_sockets=2, pull_workers=2, sweep_interval_s=0.2)
+    yield e
+    e.close()
+
+
+def test_register_pull_release_sharded(engine):
+    packed = [x[np.array([3, 1])] for x in pool(2, True)]
+    uuid, deadline = engine.register(5, packed, expire_s=30)
+    assert engine.num_registered() == 1 and deadline > time.time()
+    specs = PoolTransferSpec.from_kv_caches(pool(2, False)).packed_specs(2)
+    got = engine.pull(engine.address, uuid, specs, 30, room=5).result(timeout=60)
+    for g, want in zip(got, packed, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+        assert g.sharding.is_equivalent_to(want.sharding, 4)
+    assert engine.release(5) and not engine.release(5) and engine.num_registered() == 0
+    with pytest.raises(ValueError, match="empty"):
+        engine.register(6, [], 10)
+
+
+def test_pull_of_unknown_uuid_times_out_and_reconnects(engine):
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    specs = [jax.ShapeDtypeStruct((4,), np.float32, sharding=one)]
+    t0 = time.monotonic()
+    fut = engine.pull(engine.address, 123456, specs, 1.0, room=77)
+    with pytest.raises(KVTransferTimeout, match=r"room 77.*did not complete within 1 s"):
+        fut.result(timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert engine.num_connections() == 0  # poisoned and dropped
+    x = jax.device_put(np.arange(4, dtype=np.float32), one)
+    uuid, _ = engine.register(1, [x], 30)
+    got = engine.pull(engine.address, uuid, specs, 30, room=1).result(timeout=60)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.arange(4))
+
+
+def test_unpulled_registration_expires(engine):
+    engine.register(9, [jax.device_put(np.ones(8, np.float32))], expire_s=0.5)
+    assert engine.expired.get(timeout=10) == 9
+    assert engine.num_registered() == 0
+
+
+def test_fault_injection_fails_cleanly():
+    e = JaxTransferKVEngine(transfer_sockets=1, pull_workers=1, fault_injection_prob=1.0)
+    try:
+        x = jax.device_put(np.ones(4, np.float32))
+        uuid, _ = e.register(1, [x], 30)
+        spec = [jax.ShapeDtypeStruct((4,), np.float32, sharding=x.sharding)]
+        with pytest.raises(InjectedTransferFault, match="fault_injection_prob=1.0"):
+            e.pull(e.address, uuid, spec, 10, room=1).result(timeout=30)
+        assert e.faults.injected == 1
+    finally:
+        e.close()
+    with pytest.raises(ValueError, match="fault_injection_prob"):
+        JaxTransferKVEngine(fault_injection_prob=1.5)
+    with pytest.raises(ValueError, match="transfer_sockets"):
+        JaxTransferKVEngine(transfer_sockets=0)
+
+
+def test_spec_checks():
+    p = PoolTransferSpec.from_kv_caches(pool(2, False))
+    check_packed_meta(p.packed_meta(3), p.packed_meta(3))
+    with pytest.raises(SpecMismatchError, match="shape"):
+        check_packed_meta(p.packed_meta(3), p.packed_meta(4))
+    other = PoolTransferSpec.from_kv_caches(pool(2, False, dtype=np.float16))
+    with pytest.raises(SpecMismatchError, match="dtype"):
+        check_packed_meta(other.packed_meta(3), p.packed_meta(3))
+    one = PoolTransferSpec.from_kv_caches(pool(1, False))
+    with pytest.raises(SpecMismatchError, match="sharding"):
+        check_packed_meta(one.packed_meta(3), p.packed_meta(3))
+    assert PackedMeta.from_dict(p.packed_meta(3).to_dict()) == p.packed_meta(3)
+
+
+def test_kvargs_validation():
+    main = PoolTransferSpec.from_kv_caches(pool(1, False))
+    assert KVArgs(pools=[main]).main is main
+    draft = PoolTransferSpec(name="draft", pool_type="draft_kv", dtype="float32",
+                             shape=SHAPE)
+    with pytest.raises(NotImplementedError, match="draft_kv"):
+        KVArgs(pools=[main, draft])
+    with pytest.raises(ValueError, match="unknown pool_type 'mamba'"):
+        PoolTransferSpec(name="s", pool_type="mamba", dtype="float32", shape=(1,))
+    with pytest.raises(ValueError, match="non-empty"):
+        KVArgs(pools=[])
+
+
+# ------------------------------------------------------------------ manager level
+
+class Runner:
+    def __init__(self, kv):
+        self.kv_caches = kv
+
+
+def make_mgr(role: str, kv, **kw):
+    engine = JaxTransferKVEngine(transfer_sockets=1, pull_workers=2, sweep_interval_s=0.2)
+    channel = SideChannel(bind="127.0.0.1:0" if role == "prefill" else None, name=role)
+    mgr = JaxTransferKVManager(KVArgs(pools=[PoolTransferSpec.from_kv_caches(kv)]),
+                               engine=engine, channel=channel, owns_transport=True,
+                               kernels_impl="xla", **kw)
+    mgr.register_runner(Runner(kv))
+    return mgr
+
+
+def drive(*objs, until, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [o.poll() for o in objs]
+        if until(states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"states {[o.poll() for o in objs]} after {timeout} s")
+
+
+@pytest.fixture
+def managers():
+    made = []
+
+    def make(role, kv, **kw):
+        m = make_mgr(role, kv, **kw)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def done(states):
+    return all(s.terminal for s in states)
+
+
+def test_manager_flow_want_first(managers):
+    P = managers("prefill", pool(2, True))
+    D = managers("decode", pool(2, False))
+    recv = D.create_receiver(42, P.channel.address)
+    assert recv.poll() == KVPoll.Bootstrapping
+    sender = P.create_sender(42)
+    drive(sender, until=lambda s: s[0] == KVPoll.WaitingForInput)  # D's want arrived
+    recv.init([10, 0, 7])
+    assert recv.poll() == KVPoll.WaitingForInput
+    sender.send([1, 2, 3], prompt_len=11, first_token=9, first_logprob=-0.5)
+    drive(sender, recv, until=done)
+    assert sender.poll() == recv.poll() == KVPoll.Success
+    assert recv.ready_info.first_token == 9 and recv.ready_info.prompt_len == 11
+    src = [np.asarray(x) for x in P.runner.kv_caches]
+    for e, kv in enumerate(D.runner.kv_caches):
+        got = np.asarray(kv)
+        np.testing.assert_array_equal(got[[10, 0, 7]], src[e][[1, 2, 3]])
+        assert not np.delete(got, [10, 0, 7], axis=0).any()
+    assert P.num_registered() == 0 and P.num_active() == (0, 0) and D.num_active() == (0, 0)
+
+
+def test_manager_mismatch_fails_both_sides(managers):
+    P = managers("prefill", pool(2, True))
+    D = managers("decode", pool(1, False))          # D's pool is not sharded like P's
+    sender = P.create_sender(1)
+    sender.send([1, 2])
+    recv = D.create_receiver(1, P.channel.address)
+    recv.init([3, 4])
+    drive(sender, recv, until=done)
+    assert recv.poll() == sender.poll() == KVPoll.Failed
+    assert isinstance(recv.failure_exception(), SpecMismatchError)
+    assert "sharding" in str(recv.failure_exception())
+    assert "sharding" in str(sender.failure_exception())   # D told P why
+    assert P.num_registered() == 0
+    # page count mismatch
+    P2 = managers("prefill", pool(1, True))
+    s2 = P2.create_sender(2)
+    s2.send([1, 2, 3])
+    r2 = D.create_receiver(2, P2.channel.address)
+    r2.init([5])
+    drive(s2, r2, until=done)
+    assert "P sends 3 pages, D preallocated 1" in str(r2.failure_exception())
+    assert s2.poll() == KVPoll.Failed and P2.num_registered() == 0
+
+
+def test_manager_abort_and_kv_timeout(managers):
+    P = managers("prefill", pool(1, True))
+    D = managers("decode", pool(1, False), kv_timeout_s=1.0)
+    sender = P.create_sender(5)
+    recv = D.create_receiver(5, P.channel.address)
+    recv.init([1])
+    drive(sender, until=lambda s: s[0] == KVPoll.WaitingForInput)
+    sender.abort("prefill failed: out of memory", status=503)
+    drive(recv, until=done)
+    err = recv.failure_exception()
+    assert recv.poll() == KVPoll.Failed and "out of memory" in str(err) and err.status == 503
+    # nobody ever answers room 6 (P has no sender): D fails after kv_timeout_s
+    t0 = time.monotonic()
+    r6 = D.create_receiver(6, P.channel.address)
+    r6.init([2])
+    drive(r6, until=done)
+    assert time.monotonic() - t0 < 5
+    assert r6.failure_exception().status == 504 and "kv_timeout_s=1" in str(r6.failure_exception())
+    with pytest.raises(KVTransferError, match="already has a receiver"):
+        D.create_receiver(7, P.channel.address) and D.create_receiver(7, P.channel.address)
+    with pytest.raises(ValueError, match="bootstrap_room"):
+        D.create_receiver(-1, P.channel.address)
+    with pytest.raises(ValueError, match="host:port"):
+        D.create_receiver(8, "nohost")
