@@ -233,3 +233,16 @@ def test_packed_on_other_devices_is_moved_to_the_pool_sharding(impl):
         got = insert_kv_chunks(_put(ref, sharding), on_dev3, ids, impl=impl)
         _assert_pool(got, _np_scatter(ref, packed, ids))
         assert all(g.sharding == sharding for g in got)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_throughput_helper_runs_on_tiny_pool(impl):
+    from pdtopo.kernels.bench import measure_kernel_throughput
+
+    r = measure_kernel_throughput(num_entries=2, entry_mb=1, num_pages=3, page_size=4,
+                                  kv_heads=2, head_dim=8, dtype=jnp.float32, impl=impl,
+                                  repeats=1)
+    assert r["bytes_moved"] == 2 * 3 * 4 * 2 * 8 * 4
+    assert r["impl"] == impl
+    for key in ("scatter", "gather", "numpy_memcpy", "numpy_fancy_scatter"):
+        assert r[f"{key}_s"] > 0 and r[f"{key}_gbps"] >= 0

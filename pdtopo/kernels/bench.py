@@ -60,6 +60,10 @@ def measure_kernel_throughput(num_entries: int = 32, entry_mb: int = 16, num_pag
     scatter()
     gather()
     t_scatter, t_gather = _best(scatter, repeats), _best(gather, repeats)
+    for e in {0, num_entries - 1}:  # the timed calls really wrote the pages
+        got = np.asarray(state["pool"][e][ids].astype(jnp.float32))
+        if not (got == e).all():
+            raise RuntimeError(f"scatter ({impl}) left wrong values in pool entry {e}")
 
     src = np.ones(moved // itemsize, np.uint16 if itemsize == 2 else np.float32)
     dst = np.empty_like(src)
