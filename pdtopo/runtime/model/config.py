@@ -181,7 +181,7 @@ def model_config_from_hf(path: str | Path, overrides: Mapping[str, Any] | None =
 
 def model_config_from_cfg(model_cfg: DictConfig | Mapping[str, Any]) -> ModelConfig:
     """ModelConfig from the `model:` config group (reading config.json when `path` is set)."""
-    d = _as_dict(model_cfg)
+    d = {k: v for k, v in _as_dict(model_cfg).items() if v is not None}  # null = unset
     if d.get("path"):
         return model_config_from_hf(d["path"], d)
     missing = [k for k in ("name", "architecture", "vocab_size", "hidden_size",
