@@ -13,7 +13,8 @@ P (scheduler thread):  uuid, deadline = engine.register(room, packed_arrays, exp
 D (any thread):        fut = engine.pull(peer_transfer_addr, uuid, specs, timeout_s, room=room)
                        -> concurrent.futures.Future of the pulled (ready) arrays.
                        A `pull_executor` thread runs conn.pull and waits until every array
-                       is_ready(); the engine's own deadline wraps it (the library can hang
+                       is ready; the engine's own deadline (a watchdog on the housekeeping
+                       thread, 50 ms resolution) wraps it (the library can hang
                        forever on a dead peer or an unknown uuid). On timeout the connection is
                        poisoned and dropped from the cache and the future fails with
                        `KVTransferTimeout` naming room and peer. Any error drops the connection
@@ -243,9 +244,13 @@ class JaxTransferKVEngine:
         exc = KVTransferTimeout(
             f"room {p.room}: pull of KV (uuid {p.uuid}) from peer {p.peer} did not complete "
             f"within {p.timeout_s:g} s", status=504)
-        if self._settle(p, exc=exc):
-            log.warning("%s; poisoning the connection", exc)
-            self._drop_connection(p.peer, p.conn, poison=True)
+        with _SETTLE_LOCK:
+            if p.future.done():
+                return
+            p.future.set_exception(exc)
+            conn = p.conn
+        log.warning("%s; poisoning the connection", exc)
+        self._drop_connection(p.peer, conn, poison=True)
 
     def _pull_job(self, p: _Pull, specs: list[Any]) -> None:
         import jax
@@ -254,18 +259,16 @@ class JaxTransferKVEngine:
             if p.future.done():
                 return
             self.faults.check(f"pull of room {p.room} from {p.peer}")
-            p.conn = self._connection(p.peer)
-            arrays = p.conn.pull(p.uuid, specs)
-            delay = 0.0005
-            while not all(a.is_ready() for a in arrays):
+            conn = self._connection(p.peer)
+            with _SETTLE_LOCK:  # the watchdog poisons p.conn iff it was set before timing out
                 if p.future.done():
                     return
-                if time.monotonic() >= p.deadline:
-                    self._time_out(p)
-                    return
-                time.sleep(delay)
-                delay = min(delay * 2, 0.005)
-            jax.block_until_ready(arrays)  # ready arrays: raises at once if the pull failed
+                p.conn = conn
+            arrays = conn.pull(p.uuid, specs)
+            # Blocks until the data is in (or the pull failed). A pull that never completes
+            # (dead peer, unknown uuid) is ended by the watchdog: at the deadline it poisons the
+            # connection, which makes these arrays fail and this call raise.
+            jax.block_until_ready(arrays)
             self._settle(p, result=arrays)
         except KVTransferError as e:
             self._settle(p, exc=e)
@@ -278,14 +281,17 @@ class JaxTransferKVEngine:
 
     # ------------------------------------------------------------------ housekeeping
     def _housekeeping(self) -> None:
-        while not self._stop.wait(self.sweep_interval_s):
+        next_sweep = time.monotonic() + self.sweep_interval_s
+        while not self._stop.wait(_WATCHDOG_TICK_S):
             try:
-                self.sweep()
                 now = time.monotonic()
                 with self._lock:
-                    late = [p for p in self._pulls.values() if now >= p.deadline + 1.0]
-                for p in late:  # backstop: a worker stuck inside the library itself
+                    late = [p for p in self._pulls.values() if now >= p.deadline]
+                for p in late:  # pull watchdog: the library itself never gives up
                     self._time_out(p)
+                if now >= next_sweep:
+                    next_sweep = now + self.sweep_interval_s
+                    self.sweep()
             except Exception:
                 log.exception("kv engine housekeeping failed")
 
@@ -308,3 +314,4 @@ class JaxTransferKVEngine:
 
 
 _SETTLE_LOCK = threading.Lock()
+_WATCHDOG_TICK_S = 0.05

@@ -1,0 +1,207 @@
+"""KV data-plane benchmark: transfer pull vs raw TCP, scatter (XLA) vs NumPy memcpy.
+
+    python benchmarks/bench_transfer.py [--sizes-mb 1 16 64 256] [--chunk-mb 4] [--reps 5]
+
+One run measures, on this machine, with baselines taken in the same run:
+  1. pull throughput of JaxTransferKVEngine (a P process started here registers packed arrays of
+     `chunk_mb` each; this process pulls them and waits until ready), per total size;
+  2. raw loopback TCP (sendall / recv_into of the same bytes between the same two processes);
+  3. their ratio (goal >= 0.8x at >= 16 MB);
+  4. scatter throughput of pdtopo.kernels.insert_kv_chunks (XLA impl) vs NumPy fancy-index
+     assignment of the same pages (goal >= 0.5x).
+Medians over `reps` after one warm-up per size. The peer is this file with --serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+# ----------------------------------------------------------------------------- peer (P) side
+def serve(sockets: int) -> None:
+    import jax
+
+    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+
+    engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=1)
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    payload = np.ones(1 << 28, np.uint8)  # 256 MB raw source buffer
+
+    def raw_server() -> None:
+        while True:
+            conn, _ = lsock.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with conn:
+                while True:
+                    hdr = conn.recv(16)
+                    if not hdr:
+                        break
+                    n = int(hdr.decode().strip())
+                    view = memoryview(payload)
+                    sent = 0
+                    while sent < n:
+                        k = min(n - sent, len(payload))
+                        conn.sendall(view[:k])
+                        sent += k
+
+    threading.Thread(target=raw_server, daemon=True).start()
+    print(json.dumps({"addr": engine.address, "raw_port": lsock.getsockname()[1]}), flush=True)
+    room = 0
+    for line in sys.stdin:
+        c = json.loads(line)
+        if c["cmd"] == "quit":
+            break
+        n, elems = c["n"], c["elems"]
+        arrays = [jax.device_put(np.full((elems,), i, np.float32)) for i in range(n)]
+        jax.block_until_ready(arrays)
+        room += 1
+        uuid, _ = engine.register(room, arrays, 120)
+        print(json.dumps({"uuid": uuid, "room": room}), flush=True)
+        engine.release(room)  # the server keeps its own reference until pulled
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- D side
+def bench_pull(sizes_mb, chunk_mb, reps, sockets) -> list[dict]:
+    import jax
+
+    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    peer = subprocess.Popen([sys.executable, __file__, "--serve", "--sockets", str(sockets)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        hello = json.loads(peer.stdout.readline())
+        engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=1)
+        raw = socket.create_connection(("127.0.0.1", hello["raw_port"]))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sink = np.empty(int(max(sizes_mb) * (1 << 20)) + (1 << 20), np.uint8)
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        rows = []
+        for mb in sizes_mb:
+            cmb = min(chunk_mb, mb)
+            n = max(1, round(mb / cmb))
+            elems = int(cmb * (1 << 20)) // 4
+            nbytes = n * elems * 4
+            specs = [jax.ShapeDtypeStruct((elems,), np.float32, sharding=dev)] * n
+
+            def one_pull(specs=specs, n=n, elems=elems) -> float:
+                peer.stdin.write(json.dumps({"cmd": "reg", "n": n, "elems": elems}) + "\n")
+                peer.stdin.flush()
+                uuid = json.loads(peer.stdout.readline())["uuid"]
+                t0 = time.perf_counter()
+                got = engine.pull(hello["addr"], uuid, specs, 120, room=uuid).result()
+                dt = time.perf_counter() - t0
+                assert float(got[-1][0]) == n - 1, "pulled data is wrong"
+                return dt
+
+            def one_raw(nbytes=nbytes) -> float:
+                view = memoryview(sink)[:nbytes]
+                t0 = time.perf_counter()
+                raw.sendall(f"{nbytes:<16d}".encode())
+                got = 0
+                while got < nbytes:
+                    got += raw.recv_into(view[got:], nbytes - got)
+                return time.perf_counter() - t0
+
+            one_pull()
+            one_raw()
+            tp = statistics.median(one_pull() for _ in range(reps))
+            tr = statistics.median(one_raw() for _ in range(reps))
+            rows.append({"mb": nbytes / (1 << 20), "arrays": n, "pull_gbs": nbytes / tp / 1e9,
+                         "raw_gbs": nbytes / tr / 1e9, "ratio": tr / tp})
+        raw.close()
+        engine.close()
+        return rows
+    finally:
+        try:
+            peer.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            peer.stdin.flush()
+            peer.wait(timeout=20)
+        except Exception:
+            pass
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+
+
+def bench_scatter(reps: int) -> dict:
+    import jax
+
+    from pdtopo.kernels import insert_kv_chunks
+
+    entries, num_pages, page_size, heads, head_dim = 8, 512, 16, 8, 128
+    n = 256
+    shape = (num_pages, page_size, heads, head_dim)
+    rng = np.random.default_rng(0)
+    ids = np.sort(rng.choice(np.arange(1, num_pages), n, replace=False))
+    rng.shuffle(ids)
+    packed_np = [rng.standard_normal((n, *shape[1:]), dtype=np.float32) for _ in range(entries)]
+    packed = [jax.device_put(p) for p in packed_np]
+    nbytes = sum(p.nbytes for p in packed_np)
+    pool = [jax.device_put(np.zeros(shape, np.float32)) for _ in range(entries)]
+    pool = insert_kv_chunks(pool, packed, ids, impl="xla")  # warm-up / compile
+    jax.block_until_ready(pool)
+    tx = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        pool = insert_kv_chunks(pool, packed, ids, impl="xla")
+        jax.block_until_ready(pool)
+        tx.append(time.perf_counter() - t0)
+    check = np.asarray(pool[3])[ids]
+    assert np.array_equal(check, packed_np[3]), "scatter wrote wrong data"
+    pool_np = [np.zeros(shape, np.float32) for _ in range(entries)]
+    tn = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        for dst, src in zip(pool_np, packed_np, strict=True):
+            dst[ids] = src
+        tn.append(time.perf_counter() - t0)
+    tx_m, tn_m = statistics.median(tx), statistics.median(tn[1:])
+    return {"mb": nbytes / (1 << 20), "pages": n, "entries": entries,
+            "xla_gbs": nbytes / tx_m / 1e9, "numpy_gbs": nbytes / tn_m / 1e9,
+            "ratio": tn_m / tx_m}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--chunk-mb", type=float, default=4)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sockets", type=int, default=4, help="transfer_sockets")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.serve:
+        serve(args.sockets)
+        return
+    print(f"KV pull (jax.experimental.transfer, {args.sockets} transport sockets, "
+          f"{args.chunk_mb:g} MB arrays) vs raw loopback TCP; median of {args.reps}")
+    print(f"{'size MB':>8} {'arrays':>6} {'pull GB/s':>10} {'raw TCP GB/s':>13} {'ratio':>6}  goal")
+    for r in bench_pull(args.sizes_mb, args.chunk_mb, args.reps, args.sockets):
+        goal = ">=0.8" if r["mb"] >= 16 else "-"
+        print(f"{r['mb']:8.0f} {r['arrays']:6d} {r['pull_gbs']:10.2f} {r['raw_gbs']:13.2f} "
+              f"{r['ratio']:6.2f}  {goal}")
+    s = bench_scatter(args.reps)
+    print(f"\nscatter {s['pages']} pages x {s['entries']} entries ({s['mb']:.0f} MB): "
+          f"insert_kv_chunks XLA {s['xla_gbs']:.2f} GB/s, NumPy memcpy {s['numpy_gbs']:.2f} GB/s, "
+          f"ratio {s['ratio']:.2f} (goal >= 0.5)")
+
+
+if __name__ == "__main__":
+    main()
