@@ -77,7 +77,7 @@ class RoleSchema:
     mesh: dict[str, int] = field(default_factory=lambda: {"tp": 1})
     host: str | None = None
     # instance index -> {http|transfer|zmq: port}; replaces base + k for that instance
-    port_overrides: dict[str, dict[str, int]] = field(default_factory=dict)
+    port_overrides: dict[int, dict[str, int]] = field(default_factory=dict)
     engine: RoleEngineSchema = field(default_factory=RoleEngineSchema)
 
 
@@ -112,7 +112,10 @@ def _typed(schema: type, node: Any, prefix: str) -> Any:
     if node is None:
         raise TopologyError(prefix, None, "missing config section")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        # plain container: a structured node may carry keys added with open_dict/`+key=`
+        plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
+            else node
+        merged = OmegaConf.merge(OmegaConf.structured(schema), plain)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or ""

@@ -173,7 +173,7 @@ def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
     out = []
     for k, s in enumerate(servers):
         host, address = validate.host_address(topo, f"topology.{s.role}.host", s.spec.host)
-        overrides = s.spec.port_overrides.get(str(s.index), {})
+        overrides = s.spec.port_overrides.get(s.index, {})
         ports, keys = {}, {}
         for kind in PORT_KINDS:
             if kind in overrides:

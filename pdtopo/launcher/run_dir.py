@@ -8,6 +8,7 @@ returns the newest run dir under outputs/ (or multirun/) of a working directory.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -52,12 +53,14 @@ def write_run_dir(run_dir: Path, cfg: DictConfig, plan: Plan, conf_text: str, to
 
 
 def remove_if_empty(run_dir: Path) -> None:
-    """Undo the empty directory Hydra created for a job that failed validation."""
-    for d in (run_dir, run_dir.parent):
-        try:
-            d.rmdir()
-        except OSError:
-            return
+    """Undo the empty directory Hydra created for a job that failed validation (and its
+    outputs/<date>/ parent when that is empty too)."""
+    try:
+        run_dir.rmdir()
+        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", run_dir.parent.name):
+            run_dir.parent.rmdir()
+    except OSError:
+        return
 
 
 def find_latest_run(root: Path | None = None) -> Path | None:

@@ -69,7 +69,7 @@ def check_role(role: str, spec: RoleSchema) -> None:
         if size < 1:
             raise TopologyError(f"{key}.mesh.{axis}", size, "mesh axis sizes must be >= 1")
     for idx, ports in spec.port_overrides.items():
-        if not str(idx).isdigit() or int(idx) >= spec.instances:
+        if not 0 <= idx < spec.instances:
             raise TopologyError(f"{key}.port_overrides", idx,
                                 f"instance index must be 0..{spec.instances - 1}")
         for kind in ports:
