@@ -186,3 +186,19 @@ def test_bfloat16_runner_close_to_float32(runner):
     # bf16 has ~3 significant digits; logits are O(1-10)
     assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
     assert np.corrcoef(a, b)[0, 1] > 0.99
+
+
+def test_warmup_compiles_buckets_without_touching_pool_pages():
+    model, eng = _cfg(max_running_requests=4, max_prefill_tokens=16)
+    r = ModelRunner(model, eng, build_mesh(1))
+    prompt = _prompt(7, 6)
+    before = np.asarray(r.forward([SeqChunk(prompt, 0, [5, 6])]))[0]
+    snapshot = [np.asarray(c)[1:] for c in r.kv_caches]
+    count = r.compile_count()
+    r.warmup()
+    # decode at B = 1, 2, 4 and prefill at T = 2, 4, 8, 16 (T=8, B=1 was compiled above)
+    assert r.compile_count() == count + 6
+    for old, new in zip(snapshot, r.kv_caches, strict=True):
+        np.testing.assert_array_equal(np.asarray(new)[1:], old)
+    again = np.asarray(r.forward([SeqChunk(prompt, 0, [7, 8])]))[0]
+    np.testing.assert_allclose(again, before, rtol=1e-5, atol=1e-5)

@@ -147,7 +147,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ info
 
     def kv_layout(self) -> dict[str, Any]:
-        """What P and D must agree on to exchange KV pages."""
+        """What P and D must agree on to exchange KV pages (compared key by key)."""
         cfg = self.config
         return {
             "num_entries": 2 * cfg.num_layers,
@@ -157,8 +157,7 @@ class ModelRunner:
             "dtype": str(jnp.dtype(self.kv_dtype)),
             "partition_spec": [None, None, "tp", None],
             "tp": self.tp,
-            "num_pages": self.num_pages,
-        }
+        }  # num_pages is left out on purpose: P and D pools may differ in size
 
     def compile_count(self) -> int:
         """Distinct bucketed shapes the step function has been compiled for."""
