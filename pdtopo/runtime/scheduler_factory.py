@@ -1,22 +1,36 @@
 """Assemble the scheduler for a server process from its role.
 
-`make_scheduler(ctx, runner, tokenizer)`: role `colocated` -> the plain `Scheduler`; `prefill` /
-`decode` -> the PD schedulers (Scheduler + disaggregation mixins), which are not assembled here
-yet. Role-specific behaviour lives in those mixins, not in branches inside the engine.
+`make_scheduler(ctx, runner, tokenizer)`: role `colocated` -> the plain `Scheduler`; `prefill` ->
+`PrefillScheduler` and `decode` -> `DecodeScheduler`, the engine's scheduler with the PD
+disaggregation mixins in front of it. Role-specific behaviour lives in those mixins, not in
+branches inside the engine.
 """
 
 from __future__ import annotations
 
+from pdtopo.runtime.disagg.decode import SchedulerDisaggregationDecodeMixin
+from pdtopo.runtime.disagg.prefill import SchedulerDisaggregationPrefillMixin
 from pdtopo.runtime.scheduler import Scheduler
 
 
+class PrefillScheduler(SchedulerDisaggregationPrefillMixin, Scheduler):
+    """P: prefill, then hand the KV and the first token to D."""
+
+
+class DecodeScheduler(SchedulerDisaggregationDecodeMixin, Scheduler):
+    """D: pull the KV from P, then decode."""
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    "colocated": Scheduler,
+    "prefill": PrefillScheduler,
+    "decode": DecodeScheduler,
+}
+
+
 def make_scheduler(ctx, runner, tokenizer, metrics=None) -> Scheduler:
-    role = ctx.role
-    if role == "colocated":
-        return Scheduler(ctx, runner, tokenizer, metrics=metrics)
-    if role in ("prefill", "decode"):
-        raise NotImplementedError(
-            f"the {role} scheduler (PD disaggregation mixins) is not implemented yet; "
-            "start the server with role colocated")
-    raise ValueError(f"process {ctx.name!r} has role {role!r}: a server needs role "
-                     "colocated, prefill or decode")
+    cls = SCHEDULERS.get(ctx.role)
+    if cls is None:
+        raise ValueError(f"process {ctx.name!r} has role {ctx.role!r}: a server needs one of "
+                         f"{', '.join(SCHEDULERS)}")
+    return cls(ctx, runner, tokenizer, metrics=metrics)

@@ -1,0 +1,119 @@
+"""What the prefill and decode scheduler mixins share: the KV manager, the process's bootstrap
+registration, the identity that peers compare, and the loop cadence while transfers are pending.
+
+`DisaggregationMixinBase.__init__` runs after the engine's `Scheduler.__init__` (it needs the
+runner's pool to describe it): it builds the `JaxTransferKVManager` (transfer server + ZMQ side
+channel) from the process context, registers the runner, and prepares this rank's
+`Registration`. `start()` starts the registration keeper (register, heartbeat, re-register after
+a bootstrap restart) before the scheduler thread; `stop()` undoes both.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pdtopo.runtime.bootstrap_client import BootstrapClient, RegistrationKeeper
+from pdtopo.runtime.bootstrap_protocol import Registration
+from pdtopo.runtime.disagg.base import KVArgs, PoolTransferSpec
+from pdtopo.runtime.disagg.jax_transfer import JaxTransferKVManager
+
+log = logging.getLogger("pdtopo.disagg")
+
+# While a transfer is pending the loop polls the side channel this often (seconds); it is the
+# main contributor to PD's added latency, so keep it short. Idle servers wait longer.
+PENDING_POLL_S = 0.001
+
+
+def model_identity(cfg) -> str:
+    """A string two servers must share to exchange KV: architecture, weights and dtype."""
+    m = cfg.model
+    weights = f"path={m.path}" if m.get("path") else f"seed={m.get('init_seed')}"
+    return f"{m.name}|{m.architecture}|{weights}|{cfg.engine.dtype}"
+
+
+def compatibility_problems(mine: dict[str, Any], peer: dict[str, Any]) -> list[str]:
+    """Differences between this rank's registration and a peer's that make KV exchange unsafe."""
+    problems = []
+    for key in ("page_size", "kv_dtype", "model"):
+        if mine.get(key) != peer.get(key):
+            problems.append(f"{key}: this server has {mine.get(key)!r}, peer has {peer.get(key)!r}")
+    mine_layout, peer_layout = mine.get("kv_layout") or {}, peer.get("kv_layout") or {}
+    for key in sorted(set(mine_layout) | set(peer_layout)):
+        if mine_layout.get(key) != peer_layout.get(key):
+            problems.append(f"kv_layout.{key}: this server has {mine_layout.get(key)!r}, "
+                            f"peer has {peer_layout.get(key)!r}")
+    return problems
+
+
+class DisaggregationMixinBase:
+    """State and lifecycle shared by the P and D mixins (see the module docstring)."""
+
+    def _init_disaggregation(self) -> None:
+        ctx = self.ctx
+        self.kv_args = KVArgs(pools=[PoolTransferSpec.from_kv_caches(self.runner.kv_caches)])
+        self.kv_manager = JaxTransferKVManager.from_context(ctx, self.kv_args)
+        self.kv_manager.register_runner(self.runner)
+        self.registration = self._build_registration()
+        self.bootstrap = BootstrapClient(ctx.bootstrap_url, ctx.token) if ctx.bootstrap_url else None
+        self._keeper: RegistrationKeeper | None = None
+
+    def _build_registration(self) -> Registration:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        layout = self.runner.kv_layout()
+        zmq_addr = (self.kv_manager.channel.address
+                    or f"{ctx.address}:{int(ctx.ports.get('zmq') or 1)}")
+        http = ctx.ports.get("http")
+        return Registration(
+            role=ctx.role,
+            instance_id=str(ctx.process.get("instance_id", ctx.name)),
+            **ctx.rank,
+            transfer_addr=self.kv_manager.engine.address,
+            zmq_addr=zmq_addr,
+            http_addr=f"{ctx.address}:{http}" if http else None,
+            page_size=int(self.runner.page_size),
+            kv_dtype=str(cfg.engine.kv_dtype),
+            model=model_identity(cfg),
+            kv_layout={k: (list(v) if isinstance(v, tuple) else v) for k, v in layout.items()},
+            mesh_meta={"tp": int(ctx.process.get("mesh", {}).get("tp", 1))},
+        )
+
+    @property
+    def registration_info(self) -> dict[str, Any]:
+        return self.registration.model_dump()
+
+    def pd_state(self) -> dict[str, Any]:
+        return {}
+
+    def publish_stats(self) -> None:
+        super().publish_stats()
+        if getattr(self, "kv_manager", None) is None:
+            return  # called from Scheduler.__init__, before the mixin is set up
+        extra = self.pd_state()
+        with self._stats_lock:
+            self._stats.update(extra)
+
+    def start(self) -> None:
+        if self.bootstrap is not None:
+            interval = float(self.ctx.cfg.bootstrap.heartbeat_interval_s)
+            self._keeper = RegistrationKeeper(self.bootstrap, self.registration, interval).start()
+            timeout = float(self.ctx.cfg.bootstrap.get("register_timeout_s", 60))
+            if not self._keeper.wait_registered(timeout):
+                self._keeper.stop()
+                raise RuntimeError(
+                    f"could not register with the bootstrap server {self.bootstrap.url} within "
+                    f"{timeout:g}s (bootstrap.register_timeout_s); see the warnings above")
+        else:
+            log.warning("no bootstrap server in this process's plan: not registering")
+        super().start()
+
+    def wait_registered(self, timeout_s: float) -> bool:
+        return self._keeper is None or self._keeper.wait_registered(timeout_s)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        super().stop(timeout)
+        if self._keeper is not None:
+            self._keeper.stop()
+        self.kv_manager.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()

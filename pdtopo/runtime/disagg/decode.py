@@ -1,0 +1,161 @@
+"""Decode (D) side of PD serving: `SchedulerDisaggregationDecodeMixin` (RFC-2 §5.4).
+
+A request reaching D carries `bootstrap_host:bootstrap_port` (the P instance's side channel)
+and `bootstrap_room`. Per request, on the scheduler thread, never blocking:
+
+    handle_new_request -> validate like any request; create a KV receiver (sends `want` to P at
+                          once) and queue the request for preallocation
+    prealloc queue     -> once the peer directory has checked P's registration against ours
+                          (page size, dtype, model, KV layout) and pages for the prompt's KV are
+                          free, give them to the receiver (`init`) -> transfer queue
+    transfer queue     -> `receiver.poll()`: on P's `ready` the pull runs on the engine's
+                          pull_executor; when it completes, poll() scatters the packed pages into
+                          the pool (this thread owns it) and tells P `done`. The request then
+                          joins the running decode batch with P's first token as output 0.
+    failure            -> P's `failed`, a pull error or no KV within kv_timeout_s: the request
+                          ends with a clear error and its pages go back to the pool.
+
+Decoding itself is the engine's ordinary continuous batching (pages grow as tokens come).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from pdtopo.runtime.disagg.base import KVTransferError
+from pdtopo.runtime.disagg.common import PENDING_POLL_S, DisaggregationMixinBase
+from pdtopo.runtime.disagg.kvpoll import KVPoll
+from pdtopo.runtime.disagg.peers import PeerDirectory
+from pdtopo.runtime.request import FinishReason, Req, ReqStatus
+
+log = logging.getLogger("pdtopo.disagg.decode")
+
+
+@dataclass
+class PendingTransfer:
+    req: Req
+    receiver: Any
+    peer_addr: str
+
+
+class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
+    role = "decode"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_disaggregation()
+        lookup = self.bootstrap.find_prefill if self.bootstrap is not None else None
+        self.peers = PeerDirectory(lookup, self.registration_info)
+        self.prealloc_queue: deque[PendingTransfer] = deque()
+        self.transfer_queue: list[PendingTransfer] = []
+        self._pending: dict[str, PendingTransfer] = {}
+
+    # ------------------------------------------------------------------ loop
+    def step(self) -> None:
+        if self._pending:
+            self._process_prealloc_queue()
+            self._process_transfer_queue()
+        super().step()
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or super().has_work()
+
+    def idle_wait(self, timeout: float | None = None) -> None:
+        if timeout is None and self._pending:
+            timeout = PENDING_POLL_S
+        super().idle_wait(timeout)
+
+    # ------------------------------------------------------------------ requests
+    def handle_new_request(self, req: Req) -> None:
+        if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
+            self.finish_request(req, FinishReason.abort(
+                "this is a decode server: requests need bootstrap_host, bootstrap_port and "
+                "bootstrap_room (send them through the PD proxy)", 400))
+            return
+        err = self.check_fits(len(req.prompt_ids), req.sampling.max_new_tokens)
+        if err is None and req.rid in self.reqs:
+            err = f"duplicate request id rid={req.rid!r}"
+        if err is not None:
+            self.finish_request(req, FinishReason.abort(err, 400))
+            return
+        addr = f"{req.bootstrap_host}:{int(req.bootstrap_port)}"
+        try:
+            receiver = self.kv_manager.create_receiver(int(req.bootstrap_room), addr)
+        except (KVTransferError, ValueError) as exc:
+            self.finish_request(req, FinishReason.abort(f"bootstrap fields: {exc}", 400))
+            return
+        if req.sampling.seed is None:
+            req.sampling.seed = self.default_seed(req)
+        req.status = ReqStatus.WAITING
+        self.reqs[req.rid] = req
+        pending = PendingTransfer(req, receiver, addr)
+        self._pending[req.rid] = pending
+        self.prealloc_queue.append(pending)
+
+    def _process_prealloc_queue(self) -> None:
+        for p in list(self.prealloc_queue):
+            if p.receiver.poll() == KVPoll.Failed:
+                self._fail(p, p.receiver.failure_exception())
+                continue
+            status, detail = self.peers.status(p.peer_addr)
+            if status == "pending":
+                continue
+            if status == "error":
+                p.receiver.abort(detail, status=500)
+                self._fail(p, KVTransferError(detail, status=500))
+                continue
+            need = self.pages_for(len(p.req.prompt_ids))
+            if need + len(self.running) > self.allocator.num_free:
+                break  # FCFS: wait for pages (one spare page per running request)
+            p.req.page_ids = self.alloc_pages(need)
+            p.receiver.init(p.req.page_ids)
+            self.prealloc_queue.remove(p)
+            self.transfer_queue.append(p)
+
+    def _process_transfer_queue(self) -> None:
+        for p in list(self.transfer_queue):
+            state = p.receiver.poll()
+            if state == KVPoll.Success:
+                self.transfer_queue.remove(p)
+                self._pending.pop(p.req.rid, None)
+                self._start_decoding(p)
+            elif state == KVPoll.Failed:
+                self._fail(p, p.receiver.failure_exception())
+
+    def _start_decoding(self, p: PendingTransfer) -> None:
+        req, info = p.req, p.receiver.ready_info
+        if info.first_token is None or info.prompt_len != len(req.prompt_ids):
+            self.finish_request(req, FinishReason.abort(
+                f"P's KV does not match this request: P prefilled {info.prompt_len} tokens "
+                f"(first token {info.first_token}), D has a {len(req.prompt_ids)}-token prompt",
+                500))
+            return
+        req.num_computed = len(req.prompt_ids)
+        if not self.process_new_token(req, int(info.first_token)):
+            self.add_to_running(req)
+
+    def _fail(self, p: PendingTransfer, exc: BaseException | None) -> None:
+        status = getattr(exc, "status", None) or 502
+        self.finish_request(p.req, FinishReason.abort(f"KV transfer failed: {exc}", status))
+
+    def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
+        p = self._pending.pop(req.rid, None)
+        if p is not None:
+            if p in self.prealloc_queue:
+                self.prealloc_queue.remove(p)
+            if p in self.transfer_queue:
+                self.transfer_queue.remove(p)
+            if not p.receiver.poll().terminal:
+                p.receiver.abort(reason.get("message", "decode request ended"),
+                                 status=reason.get("status_code", 500))
+        super().finish_request(req, reason)
+
+    def pd_state(self) -> dict[str, Any]:
+        return {"pd_prealloc": len(self.prealloc_queue), "pd_transfers": len(self.transfer_queue)}
+
+    def stop(self, timeout: float = 30.0) -> None:
+        super().stop(timeout)
+        self.peers.close()

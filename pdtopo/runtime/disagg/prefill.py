@@ -1,0 +1,109 @@
+"""Prefill (P) side of PD serving: `SchedulerDisaggregationPrefillMixin` (RFC-2 §5.4).
+
+A request reaching P carries `bootstrap_room` (and host/port, which name this P). Per request:
+
+    handle_new_request   -> create a KV sender for the room (D's `want` may already be waiting),
+                            then the engine's normal admission into the waiting queue
+    prefill (engine)     -> on_prefill_finished(req, first_token):
+                            sender.send(prompt pages, prompt_len, first_token) gathers the pages
+                            into packed copies, registers them for D's pull and sends `ready`;
+                            the request then finishes at once with that one token (the router
+                            reads P's whole answer before relaying D's stream), and its pool pages
+                            are freed immediately because the packed arrays are copies
+    every step           -> poll in-flight senders: done from D releases the packed copies;
+                            D's failure or the expiry (`disaggregation.sender_expiry_s`) too
+    P-side failure       -> rejected, aborted or failed requests abort their sender, which tells
+                            D over the side channel so D fails the request at once
+
+The in-flight senders are owned by the scheduler thread like everything else in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pdtopo.runtime.disagg.base import KVTransferError
+from pdtopo.runtime.disagg.common import PENDING_POLL_S, DisaggregationMixinBase
+from pdtopo.runtime.disagg.kvpoll import KVPoll
+from pdtopo.runtime.request import FinishReason, Req
+
+log = logging.getLogger("pdtopo.disagg.prefill")
+
+
+class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
+    role = "prefill"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_disaggregation()
+        self._senders: dict[str, Any] = {}     # rid -> sender, until the request finishes
+        self._inflight: list[Any] = []         # senders whose KV awaits D's pull
+
+    # ------------------------------------------------------------------ loop
+    def step(self) -> None:
+        self._poll_senders()
+        super().step()
+
+    def has_work(self) -> bool:
+        return bool(self._inflight) or super().has_work()
+
+    def idle_wait(self, timeout: float | None = None) -> None:
+        if timeout is None and (self._inflight or self._senders):
+            timeout = PENDING_POLL_S
+        super().idle_wait(timeout)
+
+    def _poll_senders(self) -> None:
+        self.kv_manager.progress()
+        still = []
+        for sender in self._inflight:
+            state = sender.poll()
+            if state == KVPoll.Failed:
+                log.warning("room %d: %s", sender.room, sender.failure_exception())
+            elif state != KVPoll.Success:
+                still.append(sender)
+        self._inflight = still
+
+    # ------------------------------------------------------------------ requests
+    def handle_new_request(self, req: Req) -> None:
+        if req.bootstrap_room is None:
+            self.finish_request(req, FinishReason.abort(
+                "this is a prefill server: requests need bootstrap_host, bootstrap_port and "
+                "bootstrap_room (send them through the PD proxy)", 400))
+            return
+        try:
+            self._senders[req.rid] = self.kv_manager.create_sender(int(req.bootstrap_room))
+        except (KVTransferError, ValueError) as exc:
+            self.finish_request(req, FinishReason.abort(f"bootstrap_room: {exc}", 400))
+            return
+        super().handle_new_request(req)
+
+    def on_prefill_finished(self, req: Req, next_token: int) -> None:
+        sender = self._senders.get(req.rid)
+        prompt_len = len(req.prompt_ids)
+        sender.send(req.page_ids[: self.pages_for(prompt_len)], prompt_len=prompt_len,
+                    first_token=int(next_token))
+        req.output_ids.append(int(next_token))
+        if sender.poll() == KVPoll.Failed:
+            exc = sender.failure_exception()
+            status = getattr(exc, "status", None) or 500
+            self.finish_request(req, FinishReason.abort(f"KV transfer setup failed: {exc}", status))
+            return
+        self.metrics.ttft.observe(max(0.0, time.monotonic() - req.arrival_time))
+        self.finish_request(req, FinishReason.length(1))
+
+    def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
+        sender = self._senders.pop(req.rid, None)
+        if sender is not None:
+            if sender.ready_msg is None and not sender.poll().terminal:
+                sender.abort(reason.get("message", "prefill failed"),
+                             status=reason.get("status_code", 500))
+            elif not sender.poll().terminal:
+                self._inflight.append(sender)
+        super().finish_request(req, reason)
+
+    def pd_state(self) -> dict[str, Any]:
+        return {"pd_inflight_senders": len(self._inflight),
+                "pd_registered_kv": self.kv_manager.num_registered()}
+

@@ -1,0 +1,149 @@
+"""P and D schedulers in one process: real model runners, real jax.experimental.transfer
+servers, real ZMQ side channel, no HTTP. D's greedy tokens must equal a colocated server's,
+every pool must return to its baseline, and failures on either side must end requests cleanly."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from pdtopo.config.compose import compose_config
+from pdtopo.runtime.mesh import build_mesh
+from pdtopo.runtime.model.tokenizer import load_tokenizer
+from pdtopo.runtime.model_runner import ModelRunner
+from pdtopo.runtime.request import QueueSink, Req, SamplingParams, new_rid
+from pdtopo.runtime.scheduler import Scheduler
+from pdtopo.runtime.scheduler_factory import DecodeScheduler, PrefillScheduler, make_scheduler
+from pdtopo.runtime.settings import direct_process_context
+from tests.conftest import free_port
+
+OVERRIDES = ["model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
+             "engine.max_running_requests=8", "disaggregation.kv_timeout_s=5",
+             "disaggregation.sender_expiry_s=5"]
+
+
+def _ctx(cfg, role):
+    ports = {"http": free_port(), "transfer": free_port(), "zmq": free_port()}
+    return direct_process_context(cfg, role=role, name=f"{role}_0", extra={"ports": ports})
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cfg = compose_config(OVERRIDES)
+    tok = load_tokenizer(cfg.model)
+    mesh = build_mesh(1)
+    made = {}
+    for role in ("colocated", "prefill", "decode"):
+        ctx = _ctx(cfg, role)
+        made[role] = make_scheduler(ctx, ModelRunner(cfg.model, cfg.engine, mesh), tok)
+    for s in made.values():
+        s.start()
+    yield made
+    for s in made.values():
+        s.stop()
+
+
+def _req(prompt_ids, n, room=None, p=None, **sp):
+    sampling = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    for k, v in sp.items():
+        setattr(sampling, k, v)
+    req = Req(rid=new_rid(), prompt_ids=list(prompt_ids), sampling=sampling, sink=QueueSink())
+    if room is not None:
+        req.bootstrap_room = room
+        req.bootstrap_host, req.bootstrap_port = "127.0.0.1", p.kv_manager.channel.port
+    return req
+
+
+def _pd_generate(cluster, prompt_ids, n, room, **sp):
+    p, d = cluster["prefill"], cluster["decode"]
+    rp, rd = _req(prompt_ids, n, room, p, **sp), _req(prompt_ids, n, room, p, **sp)
+    d.submit(rd)
+    p.submit(rp)
+    p_ids, p_out = rp.sink.collect(30)
+    d_ids, d_out = rd.sink.collect(30)
+    return p_ids, p_out, d_ids, d_out
+
+
+def _baseline(s: Scheduler) -> None:
+    st = s.stats()
+    assert st["free_pages"] == st["total_pages"], st
+    assert st["num_reqs"] == 0, st
+
+
+def test_factory_assembles_mixins(cluster):
+    assert isinstance(cluster["prefill"], PrefillScheduler)
+    assert isinstance(cluster["decode"], DecodeScheduler)
+    assert type(cluster["colocated"]) is Scheduler
+
+
+def test_pd_greedy_equals_colocated_for_multi_page_prompts(cluster):
+    rng = random.Random(0)
+    for i, length in enumerate((5, 8, 17, 40)):
+        prompt = [rng.randrange(0, 256) for _ in range(length)]
+        ref = _req(prompt, 12)
+        cluster["colocated"].submit(ref)
+        ref_ids, _ = ref.sink.collect(30)
+        p_ids, p_out, d_ids, d_out = _pd_generate(cluster, prompt, 12, room=1000 + i)
+        assert p_out.finish_reason["type"] == "length" and len(p_ids) == 1
+        assert d_ids == ref_ids, (length, d_ids, ref_ids)
+        assert p_ids[0] == ref_ids[0]
+        assert d_out.finish_reason["type"] == "length"
+
+
+def test_concurrent_rooms_and_pools_return_to_baseline(cluster):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(0, 256) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
+    refs = []
+    for prompt in prompts:
+        ref = _req(prompt, 6)
+        cluster["colocated"].submit(ref)
+        refs.append(ref.sink.collect(30)[0])
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = _pd_generate(cluster, prompts[i], 6, room=2000 + i)[2]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == refs
+    for role in ("prefill", "decode"):
+        _baseline(cluster[role])
+    assert cluster["prefill"].kv_manager.num_registered() == 0
+
+
+def test_prefill_rejection_reaches_decode_quickly(cluster):
+    p, d = cluster["prefill"], cluster["decode"]
+    too_long = list(range(200)) * 6  # beyond engine.max_model_len
+    rp, rd = _req(too_long, 4, 3000, p), _req(too_long, 4, 3000, p)
+    d.submit(rd)
+    p.submit(rp)
+    _, p_out = rp.sink.collect(10)
+    _, d_out = rd.sink.collect(10)
+    assert p_out.finish_reason["status_code"] == 400
+    assert d_out.finish_reason["type"] == "abort" and d_out.finish_reason["status_code"] == 400
+    assert "max_model_len" in d_out.finish_reason["message"]
+
+
+def test_decode_fails_cleanly_when_prefill_never_answers(cluster):
+    d = cluster["decode"]
+    rd = _req([1, 2, 3], 4, 4000, cluster["prefill"])  # P never sees this room
+    d.submit(rd)
+    _, out = rd.sink.collect(20)
+    assert out.finish_reason["type"] == "abort"
+    assert out.finish_reason["status_code"] == 504
+    assert "kv_timeout_s" in out.finish_reason["message"]
+    _baseline(d)
+
+
+def test_requests_without_bootstrap_fields_are_rejected(cluster):
+    for role in ("prefill", "decode"):
+        r = _req([1, 2, 3], 2)
+        cluster[role].submit(r)
+        _, out = r.sink.collect(10)
+        assert out.finish_reason["status_code"] == 400
+        assert "bootstrap_room" in out.finish_reason["message"]
