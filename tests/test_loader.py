@@ -166,7 +166,7 @@ def test_loaded_checkpoint_matches_numpy_forward(tmp_path, arch, tied, tp):
     cfg = runner.config
     assert (cfg.architecture, cfg.qkv_bias, cfg.tie_word_embeddings) == (arch, arch == "qwen2",
                                                                            tied)
-    assert cfg.eos_token_ids == (0, 2) and cfg.name == arch
+    assert cfg.eos_token_ids == (0, 2) and cfg.name == "hf-local"
     tok = load_tokenizer(cfg)
     prompt = tok.encode("the lazy fox says hello world")
     assert 4 <= len(prompt) <= 24
