@@ -63,6 +63,9 @@ def render_supervisord(plan: Plan, *, run_dir: str | PurePath, token: str,
                        workdir: str | PurePath, settings: ProgramSettings = ProgramSettings(),
                        ) -> str:
     run = PurePath(run_dir)
+    for what, path in (("run dir", run_dir), ("working directory", workdir)):
+        if "%" in str(path):  # supervisord expands some path options twice; refuse
+            raise ValueError(f"{what} {str(path)!r} contains '%', which supervisord cannot hold")
     sock = socket_path(run)
     lines = [
         f"; pdtopo deployment of topology {plan.topology} (mode {plan.mode}). Generated: "
