@@ -147,13 +147,17 @@ class Scheduler:
                 log.warning("scheduler thread did not stop within %.0fs", timeout)
 
     def warmup(self) -> None:
-        """Compile the sampler for every batch size the loop can produce (scheduler thread or
-        before `start()`); uses real runner logits so shardings match. Writes only page 0."""
+        """Compile the sampler for every batch size the loop can produce (call before
+        `start()`); uses real runner logits so shardings match. Borrows one page, then frees it."""
         make = _seq_chunk_cls()
-        for n in range(1, self.max_running + 1):
-            logits = self.runner.forward([make([0], 0, [0]) for _ in range(n)])
-            self.sampler.sample(logits, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
-            self.sampler.sample(logits, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
+        (page,) = self.allocator.alloc(1)
+        try:
+            for n in range(1, self.max_running + 1):
+                logits = self.runner.forward([make([0], 0, [page]) for _ in range(n)])
+                self.sampler.sample(logits, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
+                self.sampler.sample(logits, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
+        finally:
+            self.allocator.free([page])
 
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:

@@ -1,0 +1,1 @@
+"""HTTP API of a pdtopo server (sglang-compatible native API + OpenAI-compatible routes)."""

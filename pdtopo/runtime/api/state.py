@@ -1,0 +1,171 @@
+"""What the HTTP layer knows about its engine, and how it turns client input into `Req`s.
+
+`ServerState` is created before the engine exists (so `/health` can answer 503 while the model
+loads and compiles); the loader sets `tokenizer`, `scheduler` and `ready`. `prepare()` validates
+one prompt + sampling dict (raising `InvalidRequest` naming the field) and `submit()` hands the
+request to the scheduler with an `AsyncSink`, returning a `Handle` the route awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdtopo.runtime.metrics import EngineMetrics
+from pdtopo.runtime.request import (
+    AsyncSink,
+    InvalidRequest,
+    Req,
+    ReqOutput,
+    SamplingParams,
+    new_rid,
+)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DISAGG_MODE = {"colocated": "null", "prefill": "prefill", "decode": "decode"}
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is still loading (or failed): HTTP 503."""
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class Handle:
+    """One submitted request as the HTTP side sees it."""
+
+    req: Req
+    sink: AsyncSink
+    state: ServerState
+    output_ids: list[int] = field(default_factory=list)
+    final: ReqOutput | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    async def next(self, timeout: float | None = None) -> ReqOutput:
+        if timeout is None:
+            out = await self.sink.get()
+        else:
+            out = await asyncio.wait_for(self.sink.get(), timeout)
+        self.output_ids.extend(out.new_token_ids)
+        if out.finished:
+            self.final = out
+        return out
+
+    def abort(self) -> None:
+        if self.final is None and self.state.scheduler is not None:
+            self.state.scheduler.abort(self.rid)
+
+
+class ServerState:
+    def __init__(self, ctx):
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.served_model_name = str(cfg.engine.get("served_model_name") or cfg.model.name)
+        self.metrics = EngineMetrics(self.served_model_name, ctx.role)
+        self.tokenizer = None
+        self.scheduler = None
+        self.runner = None
+        self.ready = False
+        self.load_error: str | None = None
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ info
+    @property
+    def engine(self):
+        return self.ctx.cfg.engine
+
+    def local_model_dir(self) -> str | None:
+        path = self.ctx.cfg.model.get("path")
+        return str(path) if path and Path(str(path)).is_dir() else None
+
+    @property
+    def tp_size(self) -> int:
+        return int(self.ctx.process.get("mesh", {}).get("tp", 1))
+
+    def model_info(self) -> dict[str, Any]:
+        arch = str(self.ctx.cfg.model.get("architecture", "llama"))
+        return {
+            "model_path": self.local_model_dir(),
+            "tokenizer_path": self.local_model_dir(),
+            "is_generation": True,
+            "served_model_name": self.served_model_name,
+            "dp_size": int(self.ctx.rank.get("dp_size", 1)),
+            "tp_size": self.tp_size,
+            "disaggregation_mode": DISAGG_MODE.get(self.ctx.role, self.ctx.role),
+            "model_type": arch,
+            "architectures": [ARCHITECTURES.get(arch, arch)],
+        }
+
+    def require_engine(self):
+        if self.load_error:
+            raise EngineUnavailable(f"engine failed to load: {self.load_error}")
+        if not self.ready or self.scheduler is None:
+            raise EngineUnavailable("engine is loading")
+        if not self.scheduler.alive:
+            raise EngineUnavailable("engine scheduler has stopped")
+        return self.scheduler
+
+    # ------------------------------------------------------------------ requests
+    def encode_text(self, text: Any, field_name: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequest(field_name, f"{field_name} must be a string")
+        if not text:
+            raise InvalidRequest(field_name, f"{field_name} is empty")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_ids(self, ids: Any, field_name: str) -> list[int]:
+        vocab = int(self.tokenizer.vocab_size)
+        if not isinstance(ids, list) or not ids:
+            raise InvalidRequest(field_name, f"{field_name} must be a non-empty list of token ids")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequest(field_name, f"{field_name} has token id {t!r} outside the "
+                                     f"vocabulary [0, {vocab})")
+        return list(ids)
+
+    def prepare(self, prompt_ids: list[int], sampling: dict[str, Any] | None, *,
+                prompt_field: str, sampling_prefix: str = "sampling_params",
+                max_tokens_field: str | None = None) -> Prepared:
+        """Validate a tokenized prompt and its sampling values (InvalidRequest on error)."""
+        sched = self.require_engine()
+        eng = self.engine
+        if sampling is not None and not isinstance(sampling, dict):
+            raise InvalidRequest(sampling_prefix, f"{sampling_prefix} must be an object")
+        sp = SamplingParams.from_dict(
+            sampling, default_max_new_tokens=int(eng.max_new_tokens_default),
+            max_new_tokens_limit=int(eng.max_new_tokens_limit),
+            vocab_size=int(self.tokenizer.vocab_size), prefix=sampling_prefix)
+        max_len = int(eng.max_model_len)
+        n = len(prompt_ids)
+        if n >= max_len:
+            raise InvalidRequest(prompt_field, f"{prompt_field} has {n} tokens; the context length "
+                                 f"engine.max_model_len={max_len} leaves no room to generate")
+        if not sp.max_new_tokens_given:
+            sp.max_new_tokens = max(1, min(sp.max_new_tokens, max_len - n))
+        err = sched.check_fits(n, sp.max_new_tokens)
+        if err is not None:
+            name = max_tokens_field or f"{sampling_prefix}.max_new_tokens"
+            raise InvalidRequest(name if sp.max_new_tokens_given else prompt_field, err)
+        return Prepared(prompt_ids, sp)
+
+    def submit(self, prep: Prepared, *, rid: str | None = None, bootstrap_host=None,
+               bootstrap_port=None, bootstrap_room=None) -> Handle:
+        sched = self.require_engine()
+        sink = AsyncSink()
+        req = Req(rid=rid or new_rid(), prompt_ids=prep.prompt_ids, sampling=prep.sampling,
+                  sink=sink, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port,
+                  bootstrap_room=bootstrap_room)
+        sched.submit(req)
+        return Handle(req=req, sink=sink, state=self)

@@ -1,0 +1,121 @@
+"""From engine outputs to HTTP bodies: text assembly, waiting with disconnect checks, SSE.
+
+`TextView` turns a request's output ids into the text a client may see: while generating it
+holds back an incomplete UTF-8 tail (U+FFFD) and the last len(stop)-1 characters (they might
+start a stop string); at the end it trims the matched stop token / stop string (sglang's
+default, unless `no_stop_trim`). `collect(handles, request)` awaits every handle's final output,
+checking for a disconnected client each second and aborting on it (pages are freed by the
+scheduler). `merged_outputs(handles)` yields `(index, output)` from several handles as they
+come, and aborts whatever is unfinished if the consumer goes away (client disconnect cancels the
+streaming task). `sse(obj)` frames one Server-Sent Event; `SSE_DONE` ends a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from starlette.requests import Request
+
+from pdtopo.runtime.api.state import Handle
+from pdtopo.runtime.request import ReqOutput
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class TextView:
+    def __init__(self, tokenizer, handle: Handle):
+        self.tokenizer = tokenizer
+        self.sampling = handle.req.sampling
+        self.holdback = max((len(s) for s in self.sampling.stop), default=1) - 1
+        self.sent = ""
+
+    def visible(self, ids: list[int], final: ReqOutput | None) -> str:
+        sp = self.sampling
+        reason = (final.finish_reason or {}) if final is not None else {}
+        matched = reason.get("matched")
+        if (isinstance(matched, int) and not sp.no_stop_trim and ids and ids[-1] == matched):
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids)
+        if final is not None:
+            if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
+                text = text[:text.index(matched)]
+            return text
+        if text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        if self.holdback:
+            text = text[:max(0, len(text) - self.holdback)]
+        return text
+
+    def delta(self, ids: list[int], final: ReqOutput | None) -> str:
+        """New visible text since the previous call."""
+        text = self.visible(ids, final)
+        if not text.startswith(self.sent):
+            return ""  # decoding was not prefix-stable here (rare): never resend text
+        out = text[len(self.sent):]
+        self.sent = text
+        return out
+
+
+async def collect(handles: Sequence[Handle], request: Request | None) -> None:
+    """Wait for every handle to finish; abort all if the client disconnects."""
+    try:
+        for h in handles:
+            while h.final is None:
+                try:
+                    await h.next(timeout=1.0)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        raise ClientDisconnected() from None
+    finally:
+        for h in handles:
+            h.abort()  # no-op for finished handles
+
+
+async def merged_outputs(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, ReqOutput]]:
+    """Outputs of several handles in arrival order. Unfinished handles are aborted when the
+    consumer stops early (client disconnect -> task cancelled -> this generator closed)."""
+    queue: asyncio.Queue[tuple[int, ReqOutput]] = asyncio.Queue()
+
+    async def pump(i: int, h: Handle) -> None:
+        while h.final is None:
+            queue.put_nowait((i, await h.next()))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    remaining = len(handles)
+    try:
+        while remaining:
+            i, out = await queue.get()
+            if out.finished:
+                remaining -= 1
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for h in handles:
+            h.abort()
+
+
+def abort_error(final: ReqOutput) -> tuple[int, str] | None:
+    """(HTTP status, message) if the request ended in an abort, else None."""
+    reason = final.finish_reason or {}
+    if reason.get("type") != "abort":
+        return None
+    return int(reason.get("status_code") or 500), str(reason.get("message", "aborted"))
+
+
+def openai_finish_reason(final: ReqOutput | None) -> str | None:
+    if final is None:
+        return None
+    t = (final.finish_reason or {}).get("type")
+    return {"length": "length", "stop": "stop"}.get(t, t)

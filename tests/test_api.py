@@ -1,0 +1,218 @@
+"""sglang-native API over real HTTP against a real server process (tiny model).
+
+One server for the module (direct form: --port + hydra overrides); after every test the KV
+pool is back to its baseline (/pdtopo/state). Shutdown by SIGTERM must exit 0."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from api_server import assert_pool_baseline, direct_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    with direct_server(tmp_path_factory.mktemp("api")) as u:
+        yield u
+
+
+@pytest.fixture(autouse=True)
+def pool_baseline(url):
+    yield
+    assert_pool_baseline(url)
+
+
+def post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, timeout=60, **kw)
+
+
+def gen(url, body):
+    r = post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_info_routes(url):
+    info = httpx.get(url + "/get_model_info").json()
+    assert info == httpx.get(url + "/model_info").json()
+    assert info["model_path"] is None and info["tokenizer_path"] is None  # random-init model
+    assert info["served_model_name"] == "tiny-llama" and info["tp_size"] == 1
+    assert info["dp_size"] == 1 and info["disaggregation_mode"] == "null"
+    assert info["model_type"] == "llama" and info["architectures"] == ["LlamaForCausalLM"]
+    srv = httpx.get(url + "/get_server_info").json()
+    assert srv["page_size"] == 8 and srv["context_length"] == 256
+    assert srv["max_total_num_tokens"] == 63 * 8
+    assert httpx.get(url + "/server_info").status_code == 200
+    models = httpx.get(url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny-llama"
+    load = httpx.get(url + "/get_load").json()
+    assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    assert httpx.post(url + "/flush_cache").status_code == 200
+    hg = httpx.get(url + "/health_generate", timeout=60)
+    assert hg.status_code == 200 and len(hg.json()["output_ids"]) == 1
+
+
+def test_generate_single_is_deterministic_and_reports_meta(url):
+    body = {"text": "Hello world", "sampling_params": {"max_new_tokens": 7, "temperature": 0,
+                                                      "ignore_eos": True},
+            "rid": "my-rid", "bootstrap_host": "10.0.0.1", "bootstrap_port": 32000,
+            "bootstrap_room": 12345}
+    a = gen(url, body)
+    b = gen(url, {**body, "rid": "my-rid-2"})
+    assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 7
+    meta = a["meta_info"]
+    assert meta["id"] == "my-rid" and meta["prompt_tokens"] == len("Hello world") + 1  # + BOS
+    assert meta["completion_tokens"] == 7 and meta["finish_reason"] == {"type": "length",
+                                                                        "length": 7}
+    assert meta["e2e_latency"] > 0 and isinstance(a["text"], str)
+
+
+def test_batch_input_ids_match_single_requests(url):
+    prompts = [[256] + list(range(65, 65 + n)) for n in (3, 11, 1, 25, 7, 40, 2, 17)]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    singles = [gen(url, {"input_ids": p, "sampling_params": sp})["output_ids"] for p in prompts]
+    batch = gen(url, {"input_ids": prompts, "sampling_params": sp, "rid": "b"})
+    assert isinstance(batch, list) and len(batch) == len(prompts)
+    assert [r["output_ids"] for r in batch] == singles
+    assert [r["meta_info"]["id"] for r in batch] == [f"b_{i}" for i in range(len(prompts))]
+    # per-item sampling params and bootstrap fields as lists
+    batch2 = gen(url, {"input_ids": prompts[:2],
+                       "sampling_params": [dict(sp, max_new_tokens=2), sp],
+                       "bootstrap_room": [1, 2], "bootstrap_host": ["h", "h"],
+                       "bootstrap_port": [None, None]})
+    assert [len(r["output_ids"]) for r in batch2] == [2, 6]
+    assert batch2[0]["output_ids"] == singles[0][:2]
+
+
+def test_streaming_sse_framing(url):
+    body = {"text": "stream me", "sampling_params": {"max_new_tokens": 9, "temperature": 0,
+                                                    "ignore_eos": True}}
+    ref = gen(url, body)
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert len(chunks) >= 2
+    lens = [len(c["output_ids"]) for c in chunks]
+    assert lens == sorted(lens) and lens[-1] == 9  # cumulative ids
+    assert chunks[-1]["output_ids"] == ref["output_ids"] and chunks[-1]["text"] == ref["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_seeded_sampling_and_greedy_equivalents(url):
+    base = {"text": "sample", "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
+
+    def ids(**sp):
+        return gen(url, {**base, "sampling_params": {**base["sampling_params"], **sp}})[
+            "output_ids"]
+
+    greedy = ids(temperature=0)
+    assert ids(temperature=1.3, top_k=1) == greedy
+    s1 = ids(temperature=1.0, sampling_seed=7)
+    assert ids(temperature=1.0, seed=7) == s1
+    assert ids(temperature=1.0, sampling_seed=8) != s1
+    assert ids(temperature=1.0, top_p=0.9, top_k=20, sampling_seed=3) == \
+        ids(temperature=1.0, top_p=0.9, top_k=20, sampling_seed=3)
+
+
+def test_stop_token_ids_and_stop_strings(url):
+    base = {"input_ids": [256, 72, 105], "sampling_params": {"max_new_tokens": 10,
+                                                             "temperature": 0,
+                                                             "ignore_eos": True}}
+    ref = gen(url, base)["output_ids"]
+    tok = ref[4]
+    first = ref.index(tok)
+    out = gen(url, {**base, "sampling_params": {**base["sampling_params"],
+                                                "stop_token_ids": [tok]}})
+    assert out["output_ids"] == ref[:first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+    # stop string: a character the byte-level model produced (ids < 128 are ASCII)
+    ascii_ids = [t for t in ref if 32 <= t < 127]
+    if ascii_ids:
+        ch = chr(ascii_ids[0])
+        out = gen(url, {**base, "sampling_params": {**base["sampling_params"], "stop": ch}})
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ch}
+        assert ch not in out["text"]
+
+
+BAD = [
+    ({"text": ""}, "text"),
+    ({"input_ids": []}, "input_ids"),
+    ({"text": "x", "input_ids": [1]}, "text"),
+    ({}, "text"),
+    ({"input_ids": [1, 99999]}, "input_ids"),
+    ({"input_ids": [[1, 2], []]}, "input_ids[1]"),
+    ({"input_ids": [65] * 300}, "input_ids"),
+    ({"input_ids": [65] * 100, "sampling_params": {"max_new_tokens": 190}}, "max_new_tokens"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 201}}, "max_new_tokens_limit"),
+    ({"text": "x", "sampling_params": {"temperature": -0.5}}, "temperature"),
+    ({"text": "x", "sampling_params": {"top_p": 2}}, "top_p"),
+    ({"text": "x", "sampling_params": {"top_k": "ten"}}, "top_k"),
+    ({"text": "x", "sampling_params": {"no_such_param": 1}}, "no_such_param"),
+    ({"text": "x", "sampling_params": {"presence_penalty": 0.7}}, "presence_penalty"),
+    ({"text": "x", "sampling_params": "hot"}, "sampling_params"),
+    ({"text": 5}, "text"),
+    ({"text": "x", "stream": "maybe"}, "stream"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
+    ({"input_ids": [[1], [2]], "bootstrap_room": [1, 2, 3]}, "bootstrap_room"),
+]
+
+
+@pytest.mark.parametrize("body,field", BAD, ids=[f"{i}-{f}" for i, (_, f) in enumerate(BAD)])
+def test_bad_input_is_400_naming_the_field(url, body, field):
+    r = post(url, "/generate", body)
+    assert r.status_code == 400, (body, r.text)
+    msg = r.json()["error"]["message"]
+    assert field in msg, (field, msg)
+
+
+def test_malformed_json_and_server_keeps_serving(url):
+    for raw in (b'{"text": "abc"', b"[1, 2]", b"not json", b""):
+        r = httpx.post(url + "/generate", content=raw, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "JSON" in r.json()["error"]["message"]
+    assert gen(url, {"text": "still alive", "sampling_params": {"max_new_tokens": 2}})
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_pages(url):
+    before = httpx.get(url + "/pdtopo/state").json()["num_generated"]
+    body = {"text": "long", "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0}}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # got the first token; leave -> connection closed
+    assert_pool_baseline(url)
+    generated = httpx.get(url + "/pdtopo/state").json()["num_generated"] - before
+    assert generated < 200, generated
+    metrics = httpx.get(url + "/metrics").text
+    assert 'pdtopo:requests_total{finish="abort",role="colocated"}' in metrics
+
+
+def test_client_disconnect_non_streaming_aborts(url):
+    before = httpx.get(url + "/pdtopo/state").json()["num_generated"]
+    body = {"text": "long", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/generate", json=body, timeout=httpx.Timeout(5, read=0.3))
+    assert_pool_baseline(url)
+    assert httpx.get(url + "/pdtopo/state").json()["num_generated"] - before < 200
+
+
+def test_metrics_names(url):
+    gen(url, {"text": "m", "sampling_params": {"max_new_tokens": 3}})
+    text = httpx.get(url + "/metrics").text
+    for name in ("sglang:time_to_first_token_seconds_bucket", "sglang:inter_token_latency_seconds",
+                 "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput",
+                 "pdtopo:free_pages", "pdtopo:requests_total"):
+        assert name in text, name
