@@ -223,7 +223,6 @@ def test_duplicate_rid_rejected_and_factory_roles():
     ctx = make_ctx()
     assert type(make_scheduler(ctx, FakeRunner(), FakeTokenizer())) is Scheduler
     from dataclasses import replace
-    for role in ("prefill", "decode"):
-        with pytest.raises(NotImplementedError, match=role):
-            make_scheduler(replace(ctx, process={**ctx.process, "role": role}), FakeRunner(),
-                           FakeTokenizer())
+    with pytest.raises(ValueError, match="role 'router'"):
+        make_scheduler(replace(ctx, process={**ctx.process, "role": "router"}), FakeRunner(),
+                       FakeTokenizer())
