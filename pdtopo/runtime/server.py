@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -65,9 +66,23 @@ def apply_cpu_affinity(ctx: ProcessContext) -> None:
         log.info("CPU affinity: %s", sorted(int(c) for c in cpus))
 
 
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    """JAX's persistent compilation cache: a restarted or sibling process with the same model
+    and shapes loads compiled steps from disk instead of compiling them again."""
+    if not cache_dir:
+        return
+    import jax
+
+    path = Path(str(cache_dir)).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    log.info("JAX compilation cache: %s", path)
+
+
 def load_engine(state: ServerState) -> None:
     """Build mesh, tokenizer, runner, scheduler; warm up; start the scheduler thread."""
-    import jax
 
     from pdtopo.runtime.mesh import build_mesh
     from pdtopo.runtime.model.tokenizer import load_tokenizer
@@ -76,9 +91,7 @@ def load_engine(state: ServerState) -> None:
 
     ctx = state.ctx
     cfg = ctx.cfg
-    cache_dir = cfg.get("launcher", {}).get("compilation_cache_dir")
-    if cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    enable_compilation_cache(cfg.get("launcher", {}).get("compilation_cache_dir"))
     t0 = time.perf_counter()
     tp = int(ctx.process.get("mesh", {}).get("tp", 1))
     mesh = build_mesh(tp)
