@@ -16,13 +16,13 @@ from conftest import REPO_ROOT, free_port
 
 TINY_OVERRIDES = [
     "model.num_layers=1",
-    "engine.max_model_len=256",
-    "engine.num_pages=64",
+    "engine.max_model_len=1024",
+    "engine.num_pages=200",
     "engine.page_size=8",
     "engine.max_running_requests=8",
     "engine.max_prefill_tokens=128",
     "engine.max_new_tokens_default=16",
-    "engine.max_new_tokens_limit=200",
+    "engine.max_new_tokens_limit=1000",
 ]
 
 

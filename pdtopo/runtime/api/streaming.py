@@ -4,7 +4,7 @@
 holds back an incomplete UTF-8 tail (U+FFFD) and the last len(stop)-1 characters (they might
 start a stop string); at the end it trims the matched stop token / stop string (sglang's
 default, unless `no_stop_trim`). `collect(handles, request)` awaits every handle's final output,
-checking for a disconnected client each second and aborting on it (pages are freed by the
+checking for a disconnected client every DISCONNECT_CHECK_S seconds and aborting on it (pages are freed by the
 scheduler). `merged_outputs(handles)` yields `(index, output)` from several handles as they
 come, and aborts whatever is unfinished if the consumer goes away (client disconnect cancels the
 streaming task). `sse(obj)` frames one Server-Sent Event; `SSE_DONE` ends a stream.
@@ -67,16 +67,26 @@ class TextView:
         return out
 
 
+DISCONNECT_CHECK_S = 0.25
+
+
 async def collect(handles: Sequence[Handle], request: Request | None) -> None:
     """Wait for every handle to finish; abort all if the client disconnects."""
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_CHECK_S
     try:
         for h in handles:
             while h.final is None:
                 try:
-                    await h.next(timeout=1.0)
+                    await h.next(timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
-                    if request is not None and await request.is_disconnected():
-                        raise ClientDisconnected() from None
+                    pass
+                # Check on a clock, not only when outputs pause: a request that keeps
+                # generating must still notice that its client went away.
+                if request is not None and loop.time() >= next_check:
+                    next_check = loop.time() + DISCONNECT_CHECK_S
+                    if await request.is_disconnected():
+                        raise ClientDisconnected()
     finally:
         for h in handles:
             h.abort()  # no-op for finished handles
