@@ -102,7 +102,7 @@ def test_chat_bad_input_is_400(client, kw, field):
 
 def test_completions_bad_input_is_400(client):
     for kw, field in [(dict(prompt=""), "prompt"), (dict(prompt="x", max_tokens=-1), "max_tokens"),
-                      (dict(prompt="x" * 300), "prompt"), (dict(prompt="x", echo=True), "echo"),
+                      (dict(prompt="x" * 1100), "prompt"), (dict(prompt="x", echo=True), "echo"),
                       (dict(prompt="x", presence_penalty=1.0), "presence_penalty")]:
         with pytest.raises(openai.BadRequestError) as ei:
             client.completions.create(model="m", **kw)
