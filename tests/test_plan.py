@@ -9,6 +9,7 @@ import pytest
 from pdtopo.config.compose import compose_config
 from pdtopo.launcher.plan import Plan, expand_plan
 from pdtopo.launcher.tpu_env import share_cores
+from pdtopo.launcher.validate import TopologyError
 
 
 def plan_for(*overrides: str, cpus=None) -> Plan:
@@ -165,3 +166,15 @@ def test_expand_is_pure_and_deterministic():
     a = expand_plan(cfg, run_dir="R", python="p", cpus=4).to_json()
     b = expand_plan(cfg, run_dir="R", python="p", cpus=4).to_json()
     assert a == b and cfg == before
+
+
+def test_proxy_retries_and_circuit_breaker_flags():
+    cmd = plan_for("proxy.retries=0", "proxy.circuit_breaker=false").by_name()["proxy"].command
+    assert "--disable-retries" in cmd and "--disable-circuit-breaker" in cmd
+    cmd = plan_for("proxy.retries=2").by_name()["proxy"].command
+    assert cmd[cmd.index("--retry-max-retries") + 1] == "2"
+    default = plan_for().by_name()["proxy"].command
+    assert "--disable-retries" not in default and "--retry-max-retries" not in default
+    assert "--disable-circuit-breaker" not in default
+    with pytest.raises(TopologyError, match="proxy.retries"):
+        plan_for("proxy.retries=-1")

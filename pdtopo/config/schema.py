@@ -106,6 +106,8 @@ class ProxySchema:
     api_key: str | None = None
     request_timeout_s: int = 600
     health_check_interval_s: int = 10
+    retries: int | None = None        # rust: null = router default, 0 = --disable-retries
+    circuit_breaker: bool = True      # rust: false = --disable-circuit-breaker
 
 
 def _typed(schema: type, node: Any, prefix: str) -> Any:

@@ -224,6 +224,11 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
         cmd += ["--prometheus-host", address, "--prometheus-port", str(ports["prometheus"]),
                 "--prefill-policy", proxy.policy, "--decode-policy", proxy.decode_policy,
                 "--health-check-interval-secs", str(proxy.health_check_interval_s)]
+        if proxy.retries is not None:
+            cmd += (["--disable-retries"] if proxy.retries == 0
+                    else ["--retry-max-retries", str(proxy.retries)])
+        if not proxy.circuit_breaker:
+            cmd += ["--disable-circuit-breaker"]
     cmd += ["--request-timeout-secs", str(proxy.request_timeout_s)]
     if proxy.api_key:
         cmd += ["--api-key", str(proxy.api_key)]

@@ -36,6 +36,9 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
     if proxy.kind == "mini_lb" and proxy.api_key:
         raise TopologyError("proxy.api_key", "***",
                             "mini_lb does not check API keys; use proxy=rust or drop the key")
+    if proxy.retries is not None and proxy.retries < 0:
+        raise TopologyError("proxy.retries", proxy.retries,
+                            "must be null (router default), 0 (no retries) or a positive count")
     if not topo.hosts:
         raise TopologyError("topology.hosts", [], "at least one host is needed")
     names = [h.name for h in topo.hosts]
