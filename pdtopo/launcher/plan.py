@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -161,13 +161,21 @@ def _runtime_cmd(python: str, module: str, run_dir: str, name: str) -> list[str]
     return [python, "-m", module, "--run-dir", run_dir, "--process", name]
 
 
+def local_process_layout(topo: TopologySchema) -> tuple[list[int], RoleSchema]:
+    """Chips and role spec (mesh: engine -> devices) of the one program of mode local."""
+    from pdtopo.runtime.local.slices import local_layout
+
+    layout = local_layout(topo.prefill_slices, topo.decode_slices)
+    return list(range(layout.num_chips)), replace(topo.prefill, mesh=layout.mesh_summary())
+
+
 def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
                       servers: list[_Server], run_dir: str, python: str,
                       cpus: int | Sequence[int] | None) -> list[Process]:
     if topo.mode == "local":  # one in-process disagg program over the P and D chips
-        chips = sorted(c for s in servers for c in s.chips)
-        validate.check_chip_set(acc, "topology.decode.chips", chips)
-        servers = [_Server("local_0", "local", 0, topo.prefill, chips, "topology.prefill.chips")]
+        chips, local_spec = local_process_layout(topo)  # topology.prefill/decode_slices
+        validate.check_chip_set(acc, "topology.decode_slices", chips)
+        servers = [_Server("local_0", "local", 0, local_spec, chips, "topology.decode_slices")]
     affinity = share_cores(len(servers), cpus if acc.platform == "cpu" else None)
     server_module = str(OmegaConf.select(cfg, "launcher.server_module", default=SERVER_MODULE))
     out = []

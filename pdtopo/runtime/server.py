@@ -6,8 +6,9 @@
 Startup: read the `ProcessContext`, apply the process's `cpu_affinity`, start uvicorn at once
 (`/health` answers 503 "loading" meanwhile) and load the engine on a loader thread: mesh of
 `process.mesh.tp` devices, tokenizer, `ModelRunner` (+ warmup), scheduler (+ sampler warmup),
-scheduler thread. Then `/health` turns 200. SIGTERM / SIGINT: uvicorn shuts down gracefully,
-then the scheduler thread is stopped (in-flight requests end with an abort).
+scheduler thread (role `local`: `pdtopo.runtime.local.engine` builds several engines instead).
+Then `/health` turns 200. SIGTERM / SIGINT: uvicorn shuts down gracefully, then the scheduler
+thread is stopped (in-flight requests end with an abort).
 """
 
 from __future__ import annotations
@@ -81,32 +82,48 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     log.info("JAX compilation cache: %s", path)
 
 
-def load_engine(state: ServerState) -> None:
-    """Build mesh, tokenizer, runner, scheduler; warm up; start the scheduler thread."""
+# role -> module whose `build_server_engine(ctx, tokenizer, metrics)` assembles the engine
+# (default: `build_engine` below). Local disaggregation runs several engines in one process.
+ENGINE_BUILDERS = {"local": "pdtopo.runtime.local.engine"}
 
+
+def build_engine(ctx: ProcessContext, tokenizer, metrics):
+    """One mesh, one runner and the role's scheduler (P, D or colocated), warmed up."""
     from pdtopo.runtime.mesh import build_mesh
-    from pdtopo.runtime.model.tokenizer import load_tokenizer
     from pdtopo.runtime.model_runner import ModelRunner
     from pdtopo.runtime.scheduler_factory import make_scheduler
+
+    cfg = ctx.cfg
+    tp = int(ctx.process.get("mesh", {}).get("tp", 1))
+    mesh = build_mesh(tp)
+    log.info("mesh tp=%d on %s", tp, [str(d) for d in mesh.devices.flat])
+    runner = ModelRunner(cfg.model, cfg.engine, mesh)
+    log.info("model loaded (%d KV pages x %d tokens); warming up ...", runner.num_pages,
+             runner.page_size)
+    runner.warmup()
+    scheduler = make_scheduler(ctx, runner, tokenizer, metrics=metrics)
+    scheduler.warmup()
+    return runner, scheduler
+
+
+def load_engine(state: ServerState) -> None:
+    """Build tokenizer, runner(s), scheduler; warm up; start the scheduler thread(s)."""
+    import importlib
+
+    from pdtopo.runtime.model.tokenizer import load_tokenizer
 
     ctx = state.ctx
     cfg = ctx.cfg
     enable_compilation_cache(cfg.get("launcher", {}).get("compilation_cache_dir"))
     t0 = time.perf_counter()
-    tp = int(ctx.process.get("mesh", {}).get("tp", 1))
-    mesh = build_mesh(tp)
-    log.info("mesh tp=%d on %s", tp, [str(d) for d in mesh.devices.flat])
     tokenizer = load_tokenizer(cfg.model)
     log.info("loading model %s ...", cfg.model.name)
-    runner = ModelRunner(cfg.model, cfg.engine, mesh)
-    log.info("model loaded in %.1fs (%d KV pages x %d tokens); warming up ...",
-             time.perf_counter() - t0, runner.num_pages, runner.page_size)
-    t1 = time.perf_counter()
-    runner.warmup()
-    scheduler = make_scheduler(ctx, runner, tokenizer, metrics=state.metrics)
-    scheduler.warmup()
-    log.info("warmup done in %.1fs (%d compiled step shapes)", time.perf_counter() - t1,
-             runner.compile_count())
+    module = ENGINE_BUILDERS.get(ctx.role)
+    builder = importlib.import_module(module).build_server_engine if module else build_engine
+    runner, scheduler = builder(ctx, tokenizer, state.metrics)
+    compiled = getattr(scheduler, "compile_count", runner.compile_count)()
+    log.info("engine loaded and warmed up in %.1fs (%d compiled step shapes)",
+             time.perf_counter() - t0, compiled)
     state.tokenizer, state.runner, state.scheduler = tokenizer, runner, scheduler
     scheduler.start()
     state.ready = True
@@ -128,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ctx = build_context(args)
     apply_cpu_affinity(ctx)
+    from pdtopo.runtime.distributed import start_process
+
+    rc = start_process(ctx)  # multi-process instance: join its JAX cluster; a follower ends here
+    if rc is not None:
+        return rc
     host = str(ctx.address if not args.run_dir else ctx.cfg.server.bind_host)
     port = int(ctx.ports["http"])
     state = ServerState(ctx)

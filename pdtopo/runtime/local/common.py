@@ -1,0 +1,48 @@
+"""What every engine of a local-disaggregation process shares: `LocalEngineMixin`.
+
+It sits in front of the ordinary `Scheduler` (before the role mixin's own overrides run into
+it) and adds: the engine's name, its thread as a `WorkerThread` (a crash ends the process),
+the fault-injection tick at every batch, the process-wide `RequestBoard` (every finished
+request is dropped from it) and the process's `stopping` event.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from pdtopo.runtime.local.board import RequestBoard
+from pdtopo.runtime.local.threads import CrashHandler, FaultInjector, WorkerThread
+from pdtopo.runtime.request import Req
+
+
+class LocalEngineMixin:
+    def __init__(self, *args: Any, engine_name: str, board: RequestBoard,
+                 fault: FaultInjector, on_crash: CrashHandler, stopping: threading.Event,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine_name = engine_name
+        self.board = board
+        self.fault = fault
+        self.on_crash = on_crash
+        self.stopping = stopping
+
+    def start(self) -> None:
+        self._thread = WorkerThread(self.engine_name, self.event_loop, self.on_crash)
+        self._thread.start()
+
+    @property
+    def thread_alive(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def run_batch(self, batch) -> None:
+        self.fault.tick()
+        super().run_batch(batch)
+
+    def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
+        super().finish_request(req, reason)
+        self.board.finished(req)
+
+    def local_state(self) -> dict[str, Any]:
+        return {}
