@@ -6,6 +6,7 @@
   pdtopo logs PROGRAM [RUN_DIR] [-f]
   pdtopo diff [--format rich|markdown] <overrides A> -- <overrides B>
   pdtopo diff --rev GITREV [--format ...] <overrides>
+  pdtopo bench [URL] [--output FILE] [bench.KEY=VALUE ...]  benchmark a proxy/server (latest run)
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run_dir_verb(verb, rest)
     if verb == "diff":
         return _diff(rest)
+    if verb == "bench":
+        from pdtopo.bench.cli import main as bench_main
+
+        return bench_main(rest)
     print(f"pdtopo: unknown command {verb!r}\nusage:\n{USAGE}", file=sys.stderr)
     return EXIT_USAGE
 

@@ -3,8 +3,10 @@
 `prepare` does everything that can fail on bad input without touching disk or processes
 (plan expansion + validation, supervisord.conf rendering). `render_job` then writes the run
 dir; `launch_job` additionally checks host ports, starts supervisord, waits for every program's
-health in start order with a live table, prints endpoints and either returns (detach), tears
-down after bring-up (multirun jobs), or stays up until Ctrl-C / `pdtopo stop`.
+health in start order with a live table, prints endpoints and either returns (detach), runs the
+`bench` config against it and tears down (multirun jobs: `pdtopo.bench.job`, whatever happens;
+the job's ports are waited for, a previous job may still be releasing them), or stays up until
+Ctrl-C / `pdtopo stop`.
 Exit codes: 0 ok, 1 runtime failure (health, FATAL, supervisord), 2 invalid topology.
 """
 
@@ -20,16 +22,18 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from rich.live import Live
 
+from pdtopo.bench.job import bench_job, record_job
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher import display
 from pdtopo.launcher.health import wait_for_programs
 from pdtopo.launcher.plan import Plan, expand_plan
-from pdtopo.launcher.ports import check_ports_free
+from pdtopo.launcher.ports import wait_ports_free
 from pdtopo.launcher.render_supervisord import ProgramSettings, render_supervisord
 from pdtopo.launcher.run_dir import holds_deployment, new_token, remove_if_empty, write_run_dir
 from pdtopo.launcher.supervisor_control import Supervisor, SupervisorError, teardown
 
 LOG_TAIL_LINES = 40
+MULTIRUN_PORT_WAIT_S = 60.0
 
 
 @dataclass
@@ -71,7 +75,9 @@ def prepare(cfg: DictConfig, run_dir: Path, *, token: str | None = None,
     return Prepared(plan, conf, token)
 
 
-def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool) -> Prepared | None:
+def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool,
+                       wait_ports_s: float = 0.0,
+                       errors: list[str] | None = None) -> Prepared | None:
     con = display.console(stderr=True)
     try:
         if holds_deployment(run_dir):
@@ -79,11 +85,13 @@ def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool) -> Pre
                                 "already holds a deployment; pick a new run dir")
         prepared = prepare(cfg, run_dir)
         if check_ports:
-            check_ports_free(prepared.plan)
+            wait_ports_free(prepared.plan, wait_ports_s)
         return prepared
     except TopologyError as err:
         display.print_topology_error(err, con)
         remove_if_empty(run_dir)
+        if errors is not None:
+            errors.append(str(err))
         return None
 
 
@@ -116,11 +124,32 @@ def _on_sigterm(signum, frame):  # noqa: ARG001
 
 
 def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
-    prepared = _prepare_or_report(cfg, run_dir, check_ports=True)
+    errors: list[str] = []
+    # sweep jobs run one after another on the same ports: wait for the previous job's to free
+    prepared = _prepare_or_report(cfg, run_dir, check_ports=True, errors=errors,
+                                  wait_ports_s=MULTIRUN_PORT_WAIT_S if opts.multirun else 0.0)
     if prepared is None:
         return 2
     plan = prepared.plan
+        if opts.multirun:
+            record_job(run_dir, "invalid", cfg=cfg, error="; ".join(errors), exit_code=2)
     write_run_dir(run_dir, cfg, plan, prepared.conf_text, prepared.token)
+    try:
+        return _launch_prepared(cfg, run_dir, opts, prepared)
+    except Exception as exc:
+        try:
+            teardown(run_dir)  # nothing of a failed job may stay up
+        except Exception as down_exc:  # noqa: BLE001
+            display.console(stderr=True).print(f"[bold red]teardown failed:[/] {down_exc!r}")
+        if not opts.multirun:
+            raise
+        display.console().print(f"[bold red]job failed:[/] {exc!r}; torn down")
+        record_job(run_dir, "failed", cfg=cfg, error=repr(exc), exit_code=1)
+        return 1
+
+
+def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
+                     prepared: Prepared) -> int:
     con = display.console()
     con.print(f"launching [bold]{plan.topology}[/] from {run_dir}")
     sv = Supervisor(run_dir)
@@ -128,11 +157,14 @@ def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
     try:
         try:
             sv.start()
+        started = time.perf_counter()
         except SupervisorError as exc:
             con.print(f"[bold red]error:[/] {exc}")
             teardown(run_dir)
             return 1
         timeout = float(OmegaConf.select(cfg, "launcher.health_timeout_s", default=180))
+            if opts.multirun:
+                record_job(run_dir, "failed", cfg=cfg, error=str(exc), exit_code=1)
         with Live(display.health_table(plan, []), console=con, refresh_per_second=4) as live:
             result = wait_for_programs(
                 plan, sv.states, timeout,
@@ -145,13 +177,19 @@ def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
             teardown(run_dir)
             con.print("torn down")
             return 1
-        con.print("[bold green]all programs healthy[/]")
+        healthy_s = time.perf_counter() - started
+        con.print(f"[bold green]all programs healthy[/] ({healthy_s:.1f} s after launch)")
+            if opts.multirun:
+                record_job(run_dir, "failed", cfg=cfg, error=f"launch: {result.reason}",
+                           exit_code=1, log_tail=log_tail(run_dir, result.failed or "", 10))
         for line in display.endpoints_text(plan):
             con.print("  " + line, markup=False)
-        if opts.multirun:
-            teardown(run_dir)
-            con.print("multirun job: torn down after bring-up")
-            return 0
+        if opts.multirun:  # a sweep job: benchmark, then tear down whatever happens
+            try:
+                return bench_job(cfg, run_dir, plan, healthy_s, con)
+            finally:
+                teardown(run_dir)
+                con.print("multirun job: torn down")
         if opts.detach:
             con.print(f"detached; stop with: pdtopo stop {run_dir}")
             return 0

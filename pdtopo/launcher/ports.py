@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.plan import Plan
@@ -37,3 +38,17 @@ def check_ports_free(plan: Plan) -> None:
                 key = proc.port_keys.get(kind, f"{proc.name}.ports.{kind}")
                 raise TopologyError(key, port, f"port {port} for program {proc.name} ({kind}) "
                                                f"is already in use on {proc.address}")
+
+
+def wait_ports_free(plan: Plan, timeout_s: float = 0.0, poll_s: float = 0.5) -> None:
+    """`check_ports_free`, retried for up to `timeout_s` (a previous deployment on the same
+    ports may still be shutting down)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            check_ports_free(plan)
+            return
+        except TopologyError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(poll_s)

@@ -1,0 +1,59 @@
+"""`pdtopo bench [URL] [--output FILE] [--run-dir RUN] [overrides]`.
+
+Composes the config with the given Hydra overrides (e.g. `bench.request_rate=4`), benchmarks
+URL (default: the latest run's proxy, or its server for a colocated run), prints the one-screen
+table and writes the metrics JSON to `--output` (or `bench.output`). Exit 0 when every request
+succeeded, 1 when some failed, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdtopo.launcher import display
+
+
+def main(argv: list[str]) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pdtopo.bench.report import metrics_table, write_json
+    from pdtopo.bench.run import default_url, run_bench
+    from pdtopo.bench.settings import BenchConfigError, BenchSettings
+    from pdtopo.config.compose import compose_config
+    from pdtopo.launcher.run_dir import resolve_run_dir
+
+    parser = argparse.ArgumentParser(prog="pdtopo bench")
+    parser.add_argument("--output", "-o", default=None, help="write the metrics JSON here")
+    parser.add_argument("--run-dir", default=None, help="bench this run (default: latest)")
+    parser.add_argument("args", nargs="*", help="[URL] and Hydra overrides (bench.KEY=VALUE)")
+    args = parser.parse_args(argv)
+    urls = [a for a in args.args if a.startswith(("http://", "https://"))]
+    overrides = [a for a in args.args if a not in urls]
+    err = display.console(stderr=True)
+    if len(urls) > 1:
+        err.print(f"[bold red]pdtopo bench:[/] give at most one URL, got {urls}")
+        return 2
+    try:
+        cfg = compose_config(overrides)
+        settings = BenchSettings.from_config(cfg.get("bench"))
+        url = urls[0] if urls else default_url(resolve_run_dir(args.run_dir))
+    except (BenchConfigError, FileNotFoundError, ValueError, HydraException,
+            OmegaConfBaseException) as exc:
+        err.print(f"[bold red]pdtopo bench:[/] {exc}", soft_wrap=True)
+        return 2
+    con = display.console()
+    con.print(f"benchmarking {url}: {settings.num_requests} requests at "
+              f"{settings.request_rate} req/s ({settings.arrival}), "
+              f"concurrency <= {settings.max_concurrency}")
+    metrics = run_bench(url, settings)
+    con.print(metrics_table(metrics))
+    output = args.output or settings.output
+    if output:
+        con.print(f"metrics written to {write_json(metrics, output)}")
+    return 0 if metrics["stats"]["requests"]["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,164 @@
+"""Async load generator: sends a workload as streaming sglang `/generate` requests.
+
+`run_load(url, requests, settings)` schedules arrivals (Poisson or fixed inter-arrival times
+at `request_rate`, seeded; all at once for rate inf), caps requests in flight at
+`max_concurrency`, streams every response with one shared `httpx.AsyncClient` and records
+per request: send time, the arrival time of every output token, and an error kind. Errors
+(HTTP status, timeout, connection, error event in the stream, bad stream) are recorded,
+never raised, so one bad request cannot end a run. A rich progress bar shows completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pdtopo.bench.settings import BenchSettings
+from pdtopo.bench.workload import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    index: int
+    tag: str
+    input_len: int | None
+    expected_output_len: int
+    start: float = 0.0                       # perf_counter when sent
+    end: float = 0.0                         # when the stream ended (or failed)
+    token_times: list[float] = field(default_factory=list)  # arrival time of each token
+    prompt_tokens: int | None = None         # as reported by the server
+    error: str | None = None                 # kind: http_503, timeout, connection, ...
+    error_detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_times)
+
+
+def arrival_offsets(n: int, settings: BenchSettings) -> list[float]:
+    """Seconds after the start at which each request arrives."""
+    rate = settings.request_rate
+    if math.isinf(rate):
+        return [0.0] * n
+    if settings.arrival == "fixed":
+        return [i / rate for i in range(n)]
+    rng = random.Random(settings.seed + 104729)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest,
+                      settings: BenchSettings, res: RequestResult) -> None:
+    res.start = time.perf_counter()
+    seen = 0
+    try:
+        async with client.stream("POST", f"{url}/generate", json=req.body(settings)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                res.error, res.error_detail = f"http_{resp.status_code}", body[:300]
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    res.error, res.error_detail = "bad_stream", data[:300]
+                    return
+                if "error" in chunk:
+                    err = chunk["error"]
+                    code = err.get("code", "") if isinstance(err, dict) else ""
+                    res.error = f"stream_error{f'_{code}' if code else ''}"
+                    res.error_detail = json.dumps(err)[:300]
+                    return
+                ids = chunk.get("output_ids")
+                n = len(ids) if isinstance(ids, list) else \
+                    int(chunk.get("meta_info", {}).get("completion_tokens", seen))
+                res.token_times.extend([now] * max(0, n - seen))
+                seen = max(seen, n)
+                pt = chunk.get("meta_info", {}).get("prompt_tokens")
+                if isinstance(pt, int):
+                    res.prompt_tokens = pt
+        if seen == 0:
+            res.error, res.error_detail = "no_tokens", "stream ended without output tokens"
+    except httpx.TimeoutException as exc:
+        res.error, res.error_detail = "timeout", repr(exc)[:300]
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError,
+            httpx.WriteError) as exc:
+        res.error, res.error_detail = "connection", repr(exc)[:300]
+    except httpx.HTTPError as exc:
+        res.error, res.error_detail = type(exc).__name__.lower(), repr(exc)[:300]
+    finally:
+        res.end = time.perf_counter()
+
+
+async def run_load_async(url: str, requests: list[BenchRequest], settings: BenchSettings,
+                         *, progress: bool | None = None,
+                         offsets: list[float] | None = None) -> tuple[list[RequestResult], float]:
+    """Send `requests`; returns (results in request order, wall duration in seconds)."""
+    url = url.rstrip("/")
+    offsets = arrival_offsets(len(requests), settings) if offsets is None else offsets
+    results = [RequestResult(i, r.tag, r.input_len, r.output_len) for i, r in enumerate(requests)]
+    sem = asyncio.Semaphore(settings.max_concurrency)
+    limits = httpx.Limits(max_connections=settings.max_concurrency,
+                          max_keepalive_connections=settings.max_concurrency)
+    timeout = httpx.Timeout(settings.timeout_s, connect=min(10.0, settings.timeout_s))
+    show = settings.progress if progress is None else progress
+    bar = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("errors {task.fields[errors]}"), TimeElapsedColumn(),
+                   disable=not show, transient=True)
+    errors = 0
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        with bar:
+            task = bar.add_task("bench", total=len(requests), errors=0)
+
+            async def one(i: int) -> None:
+                nonlocal errors
+                try:
+                    await asyncio.wait_for(
+                        _stream_one(client, url, requests[i], settings, results[i]),
+                        timeout=settings.timeout_s * 2)
+                except asyncio.TimeoutError:
+                    results[i].error = "timeout"
+                    results[i].end = time.perf_counter()
+                finally:
+                    sem.release()
+                    errors += 0 if results[i].ok else 1
+                    bar.update(task, advance=1, errors=errors)
+
+            t0 = time.perf_counter()
+            tasks = []
+            for i, off in enumerate(offsets):
+                delay = t0 + off - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await sem.acquire()
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
+    starts = [r.start for r in results if r.start]
+    ends = [r.end for r in results if r.end]
+    duration = (max(ends) - min(starts)) if starts and ends else 0.0
+    return results, duration
+
+
+def run_load(url: str, requests: list[BenchRequest], settings: BenchSettings,
+             **kw) -> tuple[list[RequestResult], float]:
+    return asyncio.run(run_load_async(url, requests, settings, **kw))

@@ -1,0 +1,54 @@
+"""Benchmark reports: the metrics JSON file and a one-screen rich table.
+
+`write_json(metrics, path)` writes strict JSON; `metrics_table(metrics)` renders the latency
+distributions (TTFT, ITL, TPOT, E2E: mean/p50/p90/p99 in ms), throughput, goodput and errors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+LATENCIES = (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E"))
+
+
+def write_json(metrics: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def metrics_table(metrics: dict, title: str | None = None) -> Group:
+    s = metrics["stats"]
+    lat = Table(title=title or f"pdtopo bench {metrics.get('url', '')}", title_justify="left")
+    lat.add_column("latency (ms)")
+    for col in ("mean", "p50", "p90", "p99"):
+        lat.add_column(col, justify="right")
+    for key, label in LATENCIES:
+        d = s[key]
+        lat.add_row(label, *(fmt(d.get(c)) for c in ("mean", "p50", "p90", "p99")))
+    req, gp = s["requests"], s["goodput"]
+    slo = gp["slo"]
+    lines = [
+        f"requests {req['completed']}/{req['total']} ok, {req['failed']} failed"
+        + (f" ({', '.join(f'{k}: {v}' for k, v in s['errors'].items())})" if s["errors"] else "")
+        + f"   duration {fmt(s['duration_s'], 2)} s",
+        f"throughput {fmt(s['request_throughput'], 2)} req/s, "
+        f"{fmt(s['output_token_throughput'])} out tok/s, "
+        f"{fmt(s['total_token_throughput'])} total tok/s",
+        f"goodput {fmt(gp['rps'], 2)} req/s ({fmt((gp['fraction'] or 0) * 100, 0)}% within "
+        f"TTFT <= {slo['ttft_ms']} ms, ITL p99 <= {slo['itl_ms']} ms)",
+    ]
+    if metrics.get("launch_to_healthy_s") is not None:
+        lines.append(f"launch to healthy {metrics['launch_to_healthy_s']:.1f} s")
+    style = "red" if req["failed"] else ""
+    return Group(lat, *(Text(line, style=style if i == 0 else "") for i, line in enumerate(lines)))

@@ -1,0 +1,101 @@
+"""Benchmark workloads: the requests a run sends, built before the clock starts.
+
+`synthetic(settings)` draws prompt/output lengths (uniform around `input_len`/`output_len`,
+seeded) and random prompt token ids; `load_jsonl(path, settings)` reads a dataset with one
+request per line: `{"prompt": str}` or `{"input_ids": [int]}`, and optional `"output_len"`.
+`build_workload(settings)` picks one of the two. Every request carries its expected output
+length so the statistics can count tokens exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdtopo.bench.settings import BenchConfigError, BenchSettings
+
+
+@dataclass
+class BenchRequest:
+    output_len: int
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    tag: str = ""                 # optional class label (e.g. "long" in a mixed workload)
+
+    @property
+    def input_len(self) -> int | None:
+        return len(self.input_ids) if self.input_ids is not None else None
+
+    def body(self, settings: BenchSettings) -> dict:
+        sampling = {"max_new_tokens": self.output_len, "temperature": settings.temperature,
+                    "ignore_eos": settings.ignore_eos}
+        body: dict = {"sampling_params": sampling, "stream": True}
+        if self.input_ids is not None:
+            body["input_ids"] = self.input_ids
+        else:
+            body["text"] = self.prompt
+        return body
+
+
+def _lengths(rng: random.Random, n: int, mean: int, spread: float) -> list[int]:
+    lo = max(1, round(mean * (1 - spread)))
+    hi = max(lo, round(mean * (1 + spread)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def synthetic(settings: BenchSettings, n: int | None = None, *, seed_offset: int = 0,
+              input_len: int | None = None, output_len: int | None = None,
+              tag: str = "") -> list[BenchRequest]:
+    n = settings.num_requests if n is None else n
+    rng = random.Random(settings.seed * 1_000_003 + seed_offset)
+    ins = _lengths(rng, n, input_len or settings.input_len, settings.input_len_range)
+    outs = _lengths(rng, n, output_len or settings.output_len, settings.output_len_range)
+    lo, hi = settings.token_id_range
+    return [BenchRequest(output_len=o, input_ids=[rng.randrange(lo, hi) for _ in range(i)],
+                         tag=tag) for i, o in zip(ins, outs, strict=True)]
+
+
+def load_jsonl(path: str | Path, settings: BenchSettings) -> list[BenchRequest]:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise BenchConfigError("dataset", str(path), "no such file")
+    out: list[BenchRequest] = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BenchConfigError("dataset", where, f"invalid JSON: {exc}") from None
+        if not isinstance(item, dict):
+            raise BenchConfigError("dataset", where, "each line must be a JSON object")
+        olen = item.get("output_len", settings.output_len)
+        if isinstance(olen, bool) or not isinstance(olen, int) or olen < 1:
+            raise BenchConfigError("dataset", where, f"output_len={olen!r}: expected int >= 1")
+        ids, prompt = item.get("input_ids"), item.get("prompt")
+        if ids is not None:
+            if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+                raise BenchConfigError("dataset", where, "input_ids must be a non-empty int list")
+            out.append(BenchRequest(olen, input_ids=ids, tag=str(item.get("tag", ""))))
+        elif isinstance(prompt, str) and prompt:
+            out.append(BenchRequest(olen, prompt=prompt, tag=str(item.get("tag", ""))))
+        else:
+            raise BenchConfigError("dataset", where, "needs a non-empty 'prompt' or 'input_ids'")
+    if not out:
+        raise BenchConfigError("dataset", str(path), "holds no requests")
+    return out
+
+
+def build_workload(settings: BenchSettings) -> list[BenchRequest]:
+    if settings.dataset:
+        reqs = load_jsonl(settings.dataset, settings)
+        return [reqs[i % len(reqs)] for i in range(settings.num_requests)]
+    return synthetic(settings)
+
+
+def warmup_workload(settings: BenchSettings) -> list[BenchRequest]:
+    return synthetic(settings, settings.warmup_requests, seed_offset=7919,
+                     output_len=min(settings.output_len, 4)) if settings.warmup_requests else []
