@@ -88,10 +88,10 @@ def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool,
             wait_ports_free(prepared.plan, wait_ports_s)
         return prepared
     except TopologyError as err:
-        display.print_topology_error(err, con)
-        remove_if_empty(run_dir)
         if errors is not None:
             errors.append(str(err))
+        display.print_topology_error(err, con)
+        remove_if_empty(run_dir)
         return None
 
 
@@ -129,11 +129,9 @@ def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
     prepared = _prepare_or_report(cfg, run_dir, check_ports=True, errors=errors,
                                   wait_ports_s=MULTIRUN_PORT_WAIT_S if opts.multirun else 0.0)
     if prepared is None:
-        return 2
-    plan = prepared.plan
         if opts.multirun:
             record_job(run_dir, "invalid", cfg=cfg, error="; ".join(errors), exit_code=2)
-    write_run_dir(run_dir, cfg, plan, prepared.conf_text, prepared.token)
+        return 2
     try:
         return _launch_prepared(cfg, run_dir, opts, prepared)
     except Exception as exc:
@@ -150,21 +148,23 @@ def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
 
 def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
                      prepared: Prepared) -> int:
+    plan = prepared.plan
+    write_run_dir(run_dir, cfg, plan, prepared.conf_text, prepared.token)
     con = display.console()
     con.print(f"launching [bold]{plan.topology}[/] from {run_dir}")
     sv = Supervisor(run_dir)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        started = time.perf_counter()
         try:
             sv.start()
-        started = time.perf_counter()
         except SupervisorError as exc:
             con.print(f"[bold red]error:[/] {exc}")
             teardown(run_dir)
-            return 1
-        timeout = float(OmegaConf.select(cfg, "launcher.health_timeout_s", default=180))
             if opts.multirun:
                 record_job(run_dir, "failed", cfg=cfg, error=str(exc), exit_code=1)
+            return 1
+        timeout = float(OmegaConf.select(cfg, "launcher.health_timeout_s", default=180))
         with Live(display.health_table(plan, []), console=con, refresh_per_second=4) as live:
             result = wait_for_programs(
                 plan, sv.states, timeout,
@@ -176,12 +176,12 @@ def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
             con.rule()
             teardown(run_dir)
             con.print("torn down")
-            return 1
-        healthy_s = time.perf_counter() - started
-        con.print(f"[bold green]all programs healthy[/] ({healthy_s:.1f} s after launch)")
             if opts.multirun:
                 record_job(run_dir, "failed", cfg=cfg, error=f"launch: {result.reason}",
                            exit_code=1, log_tail=log_tail(run_dir, result.failed or "", 10))
+            return 1
+        healthy_s = time.perf_counter() - started
+        con.print(f"[bold green]all programs healthy[/] ({healthy_s:.1f} s after launch)")
         for line in display.endpoints_text(plan):
             con.print("  " + line, markup=False)
         if opts.multirun:  # a sweep job: benchmark, then tear down whatever happens
