@@ -157,6 +157,9 @@ class ModelRunner:
             "dtype": str(jnp.dtype(self.kv_dtype)),
             "partition_spec": [None, None, "tp", None],
             "tp": self.tp,
+            # processes the mesh spans: D process r pulls from P process r (N:N pairing), so
+            # P and D must be split alike
+            "num_processes": len({int(d.process_index) for d in self.mesh.devices.flat}),
         }  # num_pages is left out on purpose: P and D pools may differ in size
 
     def compile_count(self) -> int:
@@ -248,10 +251,14 @@ class ModelRunner:
 
     def forward(self, chunks: list[SeqChunk]) -> jax.Array:
         """Logits [len(chunks), vocab] (float32) at each chunk's last token; writes the chunks'
-        K/V into `self.kv_caches`."""
+        K/V into `self.kv_caches`. On a mesh spanning several processes every process must
+        call forward with the same chunks (lockstep) and gets its local copy of the logits."""
         self._validate(chunks)
         key, arrays = self._prepare(chunks)
         logits = self._run(key, arrays)
+        if not logits.is_fully_addressable:
+            # multi-process mesh: logits are replicated; sample from this process's copy
+            logits = logits.addressable_data(0)
         return logits[: len(chunks)]
 
     def warmup(self) -> None:

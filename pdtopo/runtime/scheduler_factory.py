@@ -3,7 +3,9 @@
 `make_scheduler(ctx, runner, tokenizer)`: role `colocated` -> the plain `Scheduler`; `prefill` ->
 `PrefillScheduler` and `decode` -> `DecodeScheduler`, the engine's scheduler with the PD
 disaggregation mixins in front of it. Role-specific behaviour lives in those mixins, not in
-branches inside the engine.
+branches inside the engine. On the leader of a multi-process instance the runner is wrapped
+first (`pdtopo.runtime.distributed.leader.attach_leader`): forwards and KV pool operations are
+replayed on the instance's follower processes.
 """
 
 from __future__ import annotations
@@ -33,4 +35,7 @@ def make_scheduler(ctx, runner, tokenizer, metrics=None) -> Scheduler:
     if cls is None:
         raise ValueError(f"process {ctx.name!r} has role {ctx.role!r}: a server needs one of "
                          f"{', '.join(SCHEDULERS)}")
+    from pdtopo.runtime.distributed.leader import attach_leader
+
+    runner = attach_leader(ctx, runner)  # multi-process instance: followers in lockstep
     return cls(ctx, runner, tokenizer, metrics=metrics)

@@ -30,6 +30,13 @@ D (decode) scheduler, per request with bootstrap_host H, bootstrap_port PORT, bo
 
 `mgr.progress()` (also called by every poll()) drains side-channel events and engine expiries.
 Call `mgr.close()` at shutdown.
+
+Multi-process instances: a runner with a `kv_mirror` (the leader of a multi-process instance,
+`pdtopo.runtime.distributed.leader`) gets every pool operation replayed on the instance's other
+processes, each on its own shards: `mirror.register` before the gather (P), `mirror.release`
+when a sender ends, `mirror.pull` wraps D's pull future so it completes only when every process
+pulled its shards from its P peer, `mirror.scatter` before the scatter, `mirror.drop` when a
+receiver ends. Single-process runners have no mirror and none of this happens.
 """
 
 from __future__ import annotations
@@ -223,9 +230,8 @@ class JaxTransferKVReceiver(BaseKVReceiver):
             if remaining <= 0:
                 raise KVTransferError(f"room {self.room}: KV deadline passed before the pull",
                                       status=504)
-            self._future = self.mgr.engine.pull(
-                msg.transfer_addr, msg.transfer_uuid, main.packed_specs(len(pages)), remaining,
-                room=self.room)
+            self._future = self.mgr._pull(msg, main.packed_specs(len(pages)), remaining,
+                                          room=self.room)
         except KVTransferError as e:
             self._fail(e, notify=True)
             return
@@ -245,7 +251,7 @@ class JaxTransferKVReceiver(BaseKVReceiver):
                 self._fail(err, notify=True)
                 return
             try:
-                self.mgr._scatter(self._future.result(), self.page_ids)
+                self.mgr._scatter(self._future.result(), self.page_ids, room=self.room)
             except Exception as e:
                 self._fail(KVTransferError(f"room {self.room}: inserting the pulled KV into "
                                            f"the pool failed: {e}", status=500), notify=True)
@@ -290,6 +296,7 @@ class JaxTransferKVManager(BaseKVManager):
         self.gather_fn = gather_fn or _default_gather
         self.scatter_fn = scatter_fn or _make_default_scatter(kernels_impl)
         self.runner: KVRunner | None = None
+        self.mirror: Any = None  # replays pool operations on the instance's other processes
         self._owns_transport = owns_transport
         self._senders: dict[int, JaxTransferKVSender] = {}
         self._receivers: dict[int, JaxTransferKVReceiver] = {}
@@ -319,6 +326,7 @@ class JaxTransferKVManager(BaseKVManager):
         if not hasattr(runner, "kv_caches"):
             raise TypeError("register_runner: the runner must have a kv_caches attribute")
         self.runner = runner
+        self.mirror = getattr(runner, "kv_mirror", None)
 
     def create_sender(self, room: int) -> JaxTransferKVSender:
         room = self._check_room(room)
@@ -408,29 +416,48 @@ class JaxTransferKVManager(BaseKVManager):
                                   status=500)
         if not page_ids:
             raise KVTransferError(f"room {room}: send() needs at least one page", status=500)
+        uuid = self.engine.new_uuid()
+        if self.mirror is not None:  # the other processes gather + register their shards too
+            self.mirror.register(room, page_ids, uuid, self.sender_expiry_s)
         packed = self.gather_fn(self.runner.kv_caches, page_ids)
         meta = PackedMeta.from_arrays(packed, name=self.args.main.name)
-        uuid, deadline = self.engine.register(room, packed, self.sender_expiry_s)
+        uuid, deadline = self.engine.register(room, packed, self.sender_expiry_s, uuid=uuid)
         return m.Ready(room=room, transfer_addr=self.engine.address, transfer_uuid=uuid,
                        expires_at=deadline, pools=(meta,),
                        prompt_len=int(prompt_len if prompt_len is not None else 0),
                        first_token=first_token, first_logprob=first_logprob)
 
-    def _scatter(self, packed: list[Any], page_ids: list[int] | None) -> None:
+    def _pull(self, msg: m.Ready, specs: list[Any], timeout_s: float, *, room: int) -> Any:
+        """Start D's pull of `msg`'s KV; a Future of the pulled packed arrays."""
+        fut = self.engine.pull(msg.transfer_addr, msg.transfer_uuid, specs, timeout_s, room=room)
+        if self.mirror is not None:  # complete only when every process has its shards
+            num_pages = int(specs[0].shape[0])
+            fut = self.mirror.pull(room, msg.transfer_addr, msg.transfer_uuid, num_pages,
+                                   timeout_s, fut)
+        return fut
+
+    def _scatter(self, packed: list[Any], page_ids: list[int] | None,
+                 room: int | None = None) -> None:
         if self.runner is None:
             raise KVTransferError("no runner registered (call register_runner)")
         assert page_ids is not None
+        if self.mirror is not None:
+            self.mirror.scatter(room, page_ids)
         self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, packed, page_ids)
 
     def _finish_sender(self, s: JaxTransferKVSender) -> None:
         if self._senders.get(s.room) is s:
             del self._senders[s.room]
             self._tombstones[s.room] = (s.failure_msg, time.time() + self.sender_expiry_s)
+            if self.mirror is not None:
+                self.mirror.release(s.room)
 
     def _finish_receiver(self, r: JaxTransferKVReceiver) -> None:
         if self._receivers.get(r.room) is r:
             del self._receivers[r.room]
             self.channel.forget(r.room)
+            if self.mirror is not None:
+                self.mirror.drop(r.room)
 
     def num_registered(self) -> int:
         """Packed KV registrations P still holds (released on done / failure / expiry)."""

@@ -104,7 +104,8 @@ class JaxTransferKVEngine:
             raise ValueError(f"disaggregation.pull_workers must be >= 1, got {pull_workers}")
         if transfer_size_mb <= 0:
             raise ValueError(f"disaggregation.transfer_size_mb must be > 0, got {transfer_size_mb}")
-        self._client = client if client is not None else jax.devices()[0].client
+        # local_devices: in a multi-process instance jax.devices()[0] may belong to another process
+        self._client = client if client is not None else jax.local_devices()[0].client
         self._server = transfer.start_transfer_server(
             self._client, f"{host}:{int(port)}", [f"{host}:0"] * int(transfer_sockets),
             transfer_size=int(transfer_size_mb * (1 << 20)))
@@ -119,7 +120,7 @@ class JaxTransferKVEngine:
         self._pull_ids = itertools.count()
         self._uuids = itertools.count(1)
         self._uuid_base = (int.from_bytes(os.urandom(3), "big") << 32) & (2**62 - 1)
-        self._tiny = jax.device_put(np.zeros((1,), np.uint8), jax.devices()[0])
+        self._tiny = jax.device_put(np.zeros((1,), np.uint8), jax.local_devices()[0])
         self.pull_executor = cf.ThreadPoolExecutor(max_workers=int(pull_workers),
                                                    thread_name_prefix="kv-pull")
         self._stop = threading.Event()
@@ -143,14 +144,17 @@ class JaxTransferKVEngine:
         """A transfer uuid unique in this process (never reused: a reused uuid hangs pulls)."""
         return self._uuid_base + next(self._uuids)
 
-    def register(self, room: int, arrays: Sequence[Any], expire_s: float) -> tuple[int, float]:
-        """await_pull `arrays` under a fresh uuid for room; returns (uuid, deadline unix s)."""
+    def register(self, room: int, arrays: Sequence[Any], expire_s: float,
+                 uuid: int | None = None) -> tuple[int, float]:
+        """await_pull `arrays` under `uuid` (default: a fresh one) for room; returns (uuid,
+        deadline unix s). Every process of a multi-process instance registers its own shards
+        of the same packed arrays under the leader's uuid."""
         arrays = list(arrays)
         if not arrays:
             raise ValueError(f"room {room}: nothing to register (empty array list)")
         if expire_s <= 0:
             raise ValueError(f"disaggregation.sender_expiry_s must be > 0, got {expire_s}")
-        uid = self.new_uuid()
+        uid = self.new_uuid() if uuid is None else int(uuid)
         deadline = time.time() + float(expire_s)
         with self._lock:
             if room in self._rooms:

@@ -1,0 +1,221 @@
+"""The lockstep control channel of a multi-process instance (ZMQ ROUTER/DEALER, JSON messages).
+
+    leader   ControlServer  binds ROUTER on the leader's `ports.control`
+    follower ControlClient  DEALER (identity "p<process_id>") connects to it and says `hello`
+
+Leader -> followers: `broadcast(msg)` sends one command to every follower; each follower gets
+the commands in the order they were broadcast (one ROUTER->DEALER pipe per follower, no drops:
+high-water marks are unlimited). Followers -> leader: `send(msg)` (acks such as `pulled`);
+the leader's `on_message(process_id, msg)` callback runs on its I/O thread, and so does
+`on_tick()` (at least every 50 ms).
+Liveness: the leader sends `ping` every `ping_interval_s`; a follower whose leader is silent
+for `leader_timeout_s` treats the leader as gone (`ControlClient.leader_alive()`).
+
+Each endpoint has one I/O thread that owns its ZMQ sockets; other threads hand it outgoing
+messages through an inproc PUSH socket (guarded by a lock), so no socket is shared.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+log = logging.getLogger("pdtopo.distributed.control")
+
+_ids = itertools.count()
+
+
+def _encode(msg: dict[str, Any]) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+class _Endpoint:
+    """An I/O thread owning `sock` plus an inproc pipe for outgoing messages."""
+
+    def __init__(self, sock_type: int, name: str) -> None:
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(sock_type)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        inproc = f"inproc://pdtopo-control-{next(_ids)}"
+        self._pipe_in = self._ctx.socket(zmq.PULL)
+        self._pipe_in.bind(inproc)
+        self._pipe_out = self._ctx.socket(zmq.PUSH)
+        self._pipe_out.setsockopt(zmq.LINGER, 0)
+        self._pipe_out.setsockopt(zmq.SNDHWM, 0)
+        self._pipe_out.connect(inproc)
+        self._pipe_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _queue_out(self, frames: list[bytes]) -> None:
+        with self._pipe_lock:
+            self._pipe_out.send_multipart(frames)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._pipe_in, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(50))
+                if self._pipe_in in events:
+                    while True:
+                        try:
+                            frames = self._pipe_in.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if frames == [b"__close__"]:
+                            self._stop.set()
+                            break
+                        self._send_out(frames)
+                if self.sock in events:
+                    while True:
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                self._tick()
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    break
+                log.exception("control channel error: %s", exc)
+            except Exception:
+                log.exception("control channel handler failed")
+        self.sock.close(0)
+        self._pipe_in.close(0)
+
+    def _send_out(self, frames: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _tick(self) -> None:
+        """Called on the I/O thread after every poll (at least every 50 ms)."""
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self._queue_out([b"__close__"])
+        self._thread.join(timeout=5)
+        with self._pipe_lock:
+            self._pipe_out.close(0)
+        self._ctx.term()
+
+
+class ControlServer(_Endpoint):
+    """Leader side (see the module docstring)."""
+
+    def __init__(self, bind_addr: str, num_followers: int,
+                 on_message: Callable[[int, dict[str, Any]], None] | None = None, *,
+                 on_tick: Callable[[], None] | None = None,
+                 ping_interval_s: float = 1.0) -> None:
+        super().__init__(zmq.ROUTER, "lockstep-control")
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        host, _, port = bind_addr.rpartition(":")
+        try:
+            self.sock.bind(f"tcp://{host}:{int(port)}")
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(0)
+            raise OSError(f"lockstep control port {bind_addr} (ports.control): {exc}") from exc
+        self.num_followers = int(num_followers)
+        self.on_message = on_message
+        self.on_tick = on_tick
+        self.ping_interval_s = ping_interval_s
+        self._followers: dict[int, bytes] = {}     # process_id -> ROUTER identity (I/O thread)
+        self._all_joined = threading.Event()
+        if self.num_followers == 0:
+            self._all_joined.set()
+        self._next_ping = 0.0
+        self._thread.start()
+
+    def wait_followers(self, timeout_s: float) -> bool:
+        """Block until every follower said hello."""
+        return self._all_joined.wait(timeout_s)
+
+    def broadcast(self, msg: dict[str, Any]) -> None:
+        """Send `msg` to every follower (order-preserving). Thread-safe."""
+        self._queue_out([b"*", _encode(msg)])
+
+    def _send_out(self, frames: list[bytes]) -> None:
+        _, payload = frames
+        for pid, ident in list(self._followers.items()):
+            try:
+                self.sock.send_multipart([ident, payload])
+            except zmq.ZMQError as exc:
+                log.error("lockstep: follower process %d unreachable (%s)", pid, exc)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        ident, payload = frames[0], frames[-1]
+        msg = json.loads(payload)
+        if msg.get("op") == "hello":
+            pid = int(msg["process_id"])
+            if pid in self._followers and self._followers[pid] != ident:
+                log.warning("lockstep: follower process %d reconnected", pid)
+            self._followers[pid] = ident
+            log.info("lockstep: follower process %d joined (%d/%d)", pid,
+                     len(self._followers), self.num_followers)
+            if len(self._followers) >= self.num_followers:
+                self._all_joined.set()
+            return
+        if self.on_message is not None:
+            self.on_message(int(msg.get("process_id", -1)), msg)
+
+    def _tick(self) -> None:
+        if self.on_tick is not None:
+            self.on_tick()
+        now = time.monotonic()
+        if now >= self._next_ping and self._followers:
+            self._next_ping = now + self.ping_interval_s
+            self._send_out([b"*", _encode({"op": "ping"})])
+
+
+class ControlClient(_Endpoint):
+    """Follower side (see the module docstring)."""
+
+    def __init__(self, connect_addr: str, process_id: int, *,
+                 leader_timeout_s: float = 30.0) -> None:
+        super().__init__(zmq.DEALER, "lockstep-control")
+        self.process_id = int(process_id)
+        self.sock.setsockopt(zmq.IDENTITY, f"p{self.process_id}".encode())
+        host, _, port = connect_addr.rpartition(":")
+        self.sock.connect(f"tcp://{host}:{int(port)}")
+        self.leader_timeout_s = leader_timeout_s
+        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._last_seen = time.monotonic()
+        self._thread.start()
+        self.send({"op": "hello"})
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send `msg` to the leader (adds process_id). Thread-safe."""
+        self._queue_out([_encode({**msg, "process_id": self.process_id})])
+
+    def recv(self, timeout_s: float) -> dict[str, Any] | None:
+        """Next command from the leader (pings are consumed), or None after `timeout_s`."""
+        try:
+            return self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def leader_alive(self) -> bool:
+        return time.monotonic() - self._last_seen < self.leader_timeout_s
+
+    def _send_out(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        self._last_seen = time.monotonic()
+        msg = json.loads(frames[-1])
+        if msg.get("op") != "ping":
+            self.inbox.put(msg)

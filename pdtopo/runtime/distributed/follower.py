@@ -1,0 +1,270 @@
+"""Follower process (process_id > 0) of a multi-process P / D / colocated instance.
+
+    run_follower(ctx, spec)
+      health endpoint on ports.http (503 until ready)
+      mesh over every device of the instance, the same ModelRunner, the same runner warmup
+      P/D: its own transfer server (ports.transfer) and its own bootstrap registration with its
+           rank tuple (zmq_addr = its own ports.zmq, so D's lookups by side channel find only
+           the leader)
+      control channel to the leader, then the lockstep loop until `stop` or the leader is gone
+
+The loop executes the leader's commands in order (`pdtopo.runtime.distributed.leader`):
+    forward    runner.forward(chunks); logits are discarded (the leader samples)
+    p_register gather the room's pages (this process's shards) and await_pull them under the
+               leader's uuid on this process's transfer server
+    p_release  drop that registration
+    d_pull     look up P's process with this process's rank (bootstrap GET /route, by P's
+               instance found from the leader's transfer address) and pull this process's shards
+               on the engine's pull_executor; ack {"op": "pulled", ok, error} to the leader
+    d_scatter  insert the room's pulled shards into the pool at the given pages
+    d_drop     forget the room's pulled shards
+    stop       leave the loop
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+from pdtopo.runtime.distributed.cluster import ClusterSpec
+from pdtopo.runtime.distributed.control import ControlClient
+
+log = logging.getLogger("pdtopo.distributed.follower")
+
+RANK_KEYS = ("tp_rank", "cp_rank", "dp_rank", "pp_rank")
+
+
+class PeerRanks:
+    """D follower: leader transfer address of a P instance -> the transfer address of the P
+    process with this process's rank (cached; lookups run on a pull thread, not the loop)."""
+
+    def __init__(self, client: Any, ranks: dict[str, int]):
+        self.client = client
+        self.ranks = {k: int(ranks.get(k, 0)) for k in RANK_KEYS}
+        self._cache: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, leader_transfer_addr: str) -> str:
+        with self._lock:
+            if leader_transfer_addr in self._cache:
+                return self._cache[leader_transfer_addr]
+        if self.client is None:
+            raise RuntimeError("no bootstrap server in this process's plan: cannot find the "
+                               "prefill process of my rank")
+        entries = [e for e in self.client.list("prefill")
+                   if e.get("transfer_addr") == leader_transfer_addr]
+        if not entries:
+            raise RuntimeError(f"no prefill registration with transfer_addr "
+                               f"{leader_transfer_addr} in the bootstrap server")
+        instance = entries[0]["instance_id"]
+        entry = self.client.route("prefill", instance, self.ranks)
+        addr = str(entry["transfer_addr"])
+        with self._lock:
+            self._cache[leader_transfer_addr] = addr
+        log.info("prefill %s rank %s -> transfer %s", instance, self.ranks, addr)
+        return addr
+
+
+class Follower:
+    """Executes the leader's commands on this process's shards (see the module docstring)."""
+
+    def __init__(self, ctx: Any, runner: Any, engine: Any, control: Any, peers: PeerRanks | None,
+                 kernels_impl: str = "auto"):
+        from pdtopo.runtime.disagg.base import PoolTransferSpec
+
+        self.ctx = ctx
+        self.runner = runner
+        self.engine = engine
+        self.control = control
+        self.peers = peers
+        self.kernels_impl = kernels_impl
+        self.pool = PoolTransferSpec.from_kv_caches(runner.kv_caches)
+        self.pulls: dict[int, cf.Future] = {}
+        self._resolver = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-rank")
+        self.num_commands = 0
+        self.num_forward = 0
+        self.stop_event = threading.Event()
+
+    # ------------------------------------------------------------------ loop
+    def loop(self) -> str:
+        """Run until `stop`, a signal, or the leader going silent; returns why it ended."""
+        while not self.stop_event.is_set():
+            msg = self.control.recv(0.1)
+            if msg is None:
+                if not self.control.leader_alive():
+                    return "leader silent"
+                continue
+            if msg.get("op") == "stop":
+                return "leader said stop"
+            self.num_commands += 1
+            try:
+                self.handle(msg)
+            except Exception as exc:
+                log.exception("command %s failed", msg.get("op"))
+                self.control.send({"op": "error", "message": f"{msg.get('op')}: {exc}"})
+        return "signal"
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        handler = getattr(self, f"_op_{op}", None)
+        if handler is None:
+            raise ValueError(f"unknown lockstep command {op!r}")
+        handler(msg)
+
+    # ------------------------------------------------------------------ commands
+    def _op_forward(self, msg: dict[str, Any]) -> None:
+        from pdtopo.runtime.model_runner import SeqChunk
+
+        chunks = [SeqChunk(list(t), int(s), list(p)) for t, s, p in msg["chunks"]]
+        self.runner.forward(chunks)
+        self.num_forward += 1
+
+    def _op_p_register(self, msg: dict[str, Any]) -> None:
+        from pdtopo.kernels import select_from_kv_caches
+
+        packed = select_from_kv_caches(self.runner.kv_caches, msg["page_ids"])
+        self.engine.register(int(msg["room"]), packed, float(msg["expire_s"]),
+                             uuid=int(msg["uuid"]))
+
+    def _op_p_release(self, msg: dict[str, Any]) -> None:
+        self.engine.release(int(msg["room"]))
+
+    def _op_d_pull(self, msg: dict[str, Any]) -> None:
+        room = int(msg["room"])
+        deadline = time.monotonic() + float(msg["timeout_s"])
+        specs = self.pool.packed_specs(int(msg["num_pages"]))
+
+        def job() -> Any:
+            addr = self.peers.resolve(str(msg["peer"])) if self.peers else str(msg["peer"])
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("KV deadline passed while looking up the prefill peer")
+            return self.engine.pull(addr, int(msg["uuid"]), specs, remaining, room=room).result()
+
+        fut = self._resolver.submit(job)
+        self.pulls[room] = fut
+
+        def report(f: cf.Future) -> None:
+            exc = f.exception()
+            self.control.send({"op": "pulled", "room": room, "ok": exc is None,
+                               "error": None if exc is None else str(exc)})
+
+        fut.add_done_callback(report)
+
+    def _op_d_scatter(self, msg: dict[str, Any]) -> None:
+        from pdtopo.kernels import insert_kv_chunks
+
+        room = int(msg["room"])
+        fut = self.pulls.pop(room, None)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            raise RuntimeError(f"room {room}: the leader scatters KV this process has not "
+                               "pulled; this process's shards of the request are missing")
+        self.runner.kv_caches = insert_kv_chunks(self.runner.kv_caches, fut.result(),
+                                                 msg["page_ids"], impl=self.kernels_impl)
+
+    def _op_d_drop(self, msg: dict[str, Any]) -> None:
+        self.pulls.pop(int(msg["room"]), None)
+
+    def state(self) -> dict[str, Any]:
+        return {"num_commands": self.num_commands, "num_forward": self.num_forward,
+                "pd_pulls": len(self.pulls),
+                "pd_registered_kv": self.engine.num_registered() if self.engine else 0}
+
+    def close(self) -> None:
+        self._resolver.shutdown(wait=False, cancel_futures=True)
+
+
+def follower_registration(ctx: Any, runner: Any, transfer_addr: str):
+    from pdtopo.runtime.bootstrap_protocol import Registration
+    from pdtopo.runtime.disagg.common import model_identity
+
+    cfg = ctx.cfg
+    http = ctx.ports.get("http")
+    layout = runner.kv_layout()
+    return Registration(
+        role=ctx.role, instance_id=str(ctx.process.get("instance_id", ctx.name)), **ctx.rank,
+        transfer_addr=transfer_addr, zmq_addr=f"{ctx.address}:{int(ctx.ports.get('zmq') or 1)}",
+        http_addr=f"{ctx.address}:{http}" if http else None,
+        page_size=int(runner.page_size), kv_dtype=str(cfg.engine.kv_dtype),
+        model=model_identity(cfg),
+        kv_layout={k: (list(v) if isinstance(v, tuple) else v) for k, v in layout.items()},
+        mesh_meta={"tp": int(ctx.process.get("mesh", {}).get("tp", 1)),
+                   "num_processes": int(layout.get("num_processes", 1))})
+
+
+def run_follower(ctx: Any, spec: ClusterSpec) -> int:
+    """The follower's whole life (JAX cluster already initialized). Returns an exit code."""
+    from pdtopo.runtime.bootstrap_client import BootstrapClient, RegistrationKeeper
+    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+    from pdtopo.runtime.distributed.health import HealthServer
+    from pdtopo.runtime.mesh import build_mesh
+    from pdtopo.runtime.model_runner import ModelRunner
+    from pdtopo.runtime.server import enable_compilation_cache
+
+    cfg = ctx.cfg
+    holder: dict[str, Follower] = {}
+    health = None
+    if ctx.ports.get("http"):
+        health = HealthServer(str(cfg.server.bind_host), int(ctx.ports["http"]),
+                              lambda: holder["f"].state() if "f" in holder else {})
+    stop = threading.Event()
+
+    def on_signal(sig: int, _frame: Any) -> None:
+        log.info("signal %d: stopping", sig)
+        stop.set()
+        if "f" in holder:
+            holder["f"].stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    engine = keeper = bootstrap = control = follower = None
+    try:
+        enable_compilation_cache(cfg.get("launcher", {}).get("compilation_cache_dir"))
+        tp = int(ctx.process.get("mesh", {}).get("tp", 1))
+        mesh = build_mesh(tp)
+        log.info("follower %s: mesh tp=%d on %s", ctx.name, tp,
+                 [str(d) for d in mesh.devices.flat])
+        runner = ModelRunner(cfg.model, cfg.engine, mesh)
+        runner.warmup()
+        pd = ctx.role in ("prefill", "decode")
+        if pd:
+            engine = JaxTransferKVEngine.from_context(ctx)
+            if ctx.bootstrap_url:
+                bootstrap = BootstrapClient(ctx.bootstrap_url, ctx.token)
+                keeper = RegistrationKeeper(
+                    bootstrap, follower_registration(ctx, runner, engine.address),
+                    float(cfg.bootstrap.heartbeat_interval_s)).start()
+                timeout = float(cfg.bootstrap.get("register_timeout_s", 60))
+                if not keeper.wait_registered(timeout):
+                    raise RuntimeError(f"could not register with the bootstrap server "
+                                       f"{bootstrap.url} within {timeout:g}s")
+        control = ControlClient(spec.control_addr, spec.process_id)
+        peers = PeerRanks(bootstrap, ctx.rank) if ctx.role == "decode" else None
+        follower = Follower(ctx, runner, engine, control, peers,
+                            kernels_impl=str(cfg.kernels.impl))
+        holder["f"] = follower
+        if stop.is_set():
+            return 0
+        if health is not None:
+            health.status = "ok"
+        log.info("follower %s (process %d of instance %s) in lockstep with %s", ctx.name,
+                 spec.process_id, spec.instance_id, spec.control_addr)
+        why = follower.loop()
+        log.info("follower %s leaving the lockstep loop: %s", ctx.name, why)
+        return 0 if why in ("leader said stop", "signal") else 1
+    except Exception as exc:
+        log.exception("follower %s failed", ctx.name)
+        if health is not None:
+            health.status, health.error = "failed", f"{type(exc).__name__}: {exc}"
+        return 1
+    finally:
+        for closer in (follower, control, keeper, engine, bootstrap, health):
+            if closer is not None:
+                try:
+                    (closer.stop if isinstance(closer, RegistrationKeeper) else closer.close)()
+                except Exception:
+                    log.exception("closing %r failed", closer)

@@ -1,0 +1,227 @@
+"""Leader (process 0) of a multi-process instance: drives its followers in lockstep.
+
+The leader is an ordinary server (HTTP API, scheduler, side channel, first token, `ready`).
+`attach_leader(ctx, runner)` (called by `make_scheduler`) binds the control channel, waits for
+every follower's hello and returns a `LeaderRunner`, which the scheduler uses like the runner:
+
+    forward(chunks)  -> broadcast {"op": "forward", chunks} then run it here; every process
+                        launches the same jitted step on its devices (the mesh spans them all),
+                        so the step's collectives line up; sampling uses the local logits only
+    kv_mirror        -> `LeaderMirror`, which the KV manager (disagg/jax_transfer.py) calls so that
+                        each follower does the same pool operation on its own shards:
+        register(room, pages, uuid, expiry)  P: gather + await_pull under the leader's uuid
+        release(room)                        P: drop the registration (done / failure)
+        pull(room, peer, uuid, n, timeout, local_future) -> Future
+                                             D: every follower pulls its shards from its P peer
+                                             (same rank); the Future completes when the leader's
+                                             own pull and every follower's `pulled` ack are in
+        scatter(room, pages)                 D: insert the pulled pages into the pool
+        drop(room)                           D: forget the room's pulled arrays (failure / end)
+
+Commands are broadcast from the scheduler thread only, in the order of execution here, so
+every process runs the same sequence of global computations.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from typing import Any
+
+from pdtopo.runtime.disagg.base import KVTransferError
+from pdtopo.runtime.distributed.cluster import ClusterSpec
+from pdtopo.runtime.distributed.control import ControlServer
+
+log = logging.getLogger("pdtopo.distributed.leader")
+
+JOIN_TIMEOUT_S = 300.0      # followers build the same model; they say hello when warmed up
+ACK_GRACE_S = 5.0           # a follower's pull ack may come this late after the pull deadline
+
+
+class _PullGroup:
+    """D: the leader's own pull plus one ack per follower, as one Future."""
+
+    def __init__(self, room: int, followers: set[int], local: cf.Future, deadline: float):
+        self.room = room
+        self.future: cf.Future = cf.Future()
+        self.waiting = set(followers)
+        self.deadline = deadline
+        self._lock = threading.Lock()
+        self._local_result: Any = None
+        self._local_done = False
+        local.add_done_callback(self._on_local)
+
+    def _settle(self, result: Any = None, exc: BaseException | None = None) -> None:
+        if self.future.done():
+            return
+        if exc is not None:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+    def _on_local(self, fut: cf.Future) -> None:
+        with self._lock:
+            exc = fut.exception()
+            if exc is not None:
+                self._settle(exc=exc)
+                return
+            self._local_result, self._local_done = fut.result(), True
+            if not self.waiting:
+                self._settle(self._local_result)
+
+    def ack(self, pid: int, ok: bool, error: str | None) -> None:
+        with self._lock:
+            if not ok:
+                self._settle(exc=KVTransferError(
+                    f"room {self.room}: process {pid} of this decode instance could not pull "
+                    f"its KV shards: {error}", status=502))
+                return
+            self.waiting.discard(pid)
+            if not self.waiting and self._local_done:
+                self._settle(self._local_result)
+
+    def check(self, now: float) -> None:
+        if now >= self.deadline:
+            with self._lock:
+                self._settle(exc=KVTransferError(
+                    f"room {self.room}: processes {sorted(self.waiting)} of this decode "
+                    f"instance did not report their KV pull in time", status=504))
+
+
+class LeaderMirror:
+    """Replays pool operations on the followers (see the module docstring)."""
+
+    def __init__(self, server: ControlServer | None, followers: set[int]):
+        self.server = server
+        self.followers = set(followers)
+        self._lock = threading.Lock()
+        self._groups: dict[int, _PullGroup] = {}
+        self._registered: set[int] = set()   # P rooms the followers hold
+        self._closed = False
+
+    def attach(self, server: ControlServer) -> None:
+        self.server = server
+
+    def broadcast(self, msg: dict[str, Any]) -> None:
+        assert self.server is not None
+        self.server.broadcast(msg)
+
+    # ------------------------------------------------------------------ P
+    def register(self, room: int, page_ids: list[int], uuid: int, expire_s: float) -> None:
+        self._registered.add(room)
+        self.broadcast({"op": "p_register", "room": room, "page_ids": list(page_ids),
+                        "uuid": int(uuid), "expire_s": float(expire_s)})
+
+    def release(self, room: int) -> None:
+        if room in self._registered:
+            self._registered.discard(room)
+            self.broadcast({"op": "p_release", "room": room})
+
+    # ------------------------------------------------------------------ D
+    def pull(self, room: int, peer: str, uuid: int, num_pages: int, timeout_s: float,
+             local: cf.Future) -> cf.Future:
+        group = _PullGroup(room, self.followers, local,
+                           time.monotonic() + timeout_s + ACK_GRACE_S)
+        with self._lock:
+            self._groups[room] = group
+        self.broadcast({"op": "d_pull", "room": room, "peer": peer, "uuid": int(uuid),
+                        "num_pages": int(num_pages), "timeout_s": float(timeout_s)})
+        return group.future
+
+    def scatter(self, room: int | None, page_ids: list[int]) -> None:
+        if room is None:
+            raise KVTransferError("multi-process scatter needs the room (followers key their "
+                                  "pulled shards by room)", status=500)
+        with self._lock:
+            self._groups.pop(room, None)
+        self.broadcast({"op": "d_scatter", "room": room, "page_ids": list(page_ids)})
+
+    def drop(self, room: int) -> None:
+        with self._lock:
+            group = self._groups.pop(room, None)
+        if group is not None:
+            self.broadcast({"op": "d_drop", "room": room})
+
+    # ------------------------------------------------------------------ I/O thread callbacks
+    def on_message(self, pid: int, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "pulled":
+            with self._lock:
+                group = self._groups.get(int(msg["room"]))
+            if group is not None:
+                group.ack(pid, bool(msg.get("ok")), msg.get("error"))
+        elif op == "error":
+            log.error("follower process %d: %s", pid, msg.get("message"))
+        else:
+            log.warning("unexpected message from follower process %d: %r", pid, msg)
+
+    def on_tick(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            groups = list(self._groups.values())
+        for g in groups:
+            g.check(now)
+
+    def close(self) -> None:
+        """Tell the followers to stop and close the channel (idempotent)."""
+        if self._closed or self.server is None:
+            return
+        self._closed = True
+        try:
+            self.broadcast({"op": "stop"})
+            time.sleep(0.2)  # let the I/O thread flush the stop command
+        finally:
+            self.server.close()
+
+
+class LeaderRunner:
+    """The runner as the scheduler sees it on a leader: forward is broadcast first."""
+
+    def __init__(self, runner: Any, mirror: LeaderMirror):
+        self._runner = runner
+        self.kv_mirror = mirror
+
+    @property
+    def kv_caches(self) -> list[Any]:
+        return self._runner.kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, value: list[Any]) -> None:
+        self._runner.kv_caches = value
+
+    def forward(self, chunks: list[Any]) -> Any:
+        self.kv_mirror.broadcast({"op": "forward", "chunks": [
+            [[int(t) for t in c.token_ids], int(c.start_pos), [int(p) for p in c.page_ids]]
+            for c in chunks]})
+        return self._runner.forward(chunks)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+
+def attach_leader(ctx: Any, runner: Any) -> Any:
+    """`runner` unchanged for a single-process instance; else the lockstep `LeaderRunner`
+    once every follower joined (raises after JOIN_TIMEOUT_S)."""
+    spec = ClusterSpec.from_context(ctx)
+    if spec is None:
+        return runner
+    if not spec.leader:
+        raise RuntimeError(f"process {ctx.name!r} is a follower (process_id "
+                           f"{spec.process_id}); followers run no scheduler")
+    mirror = LeaderMirror(None, set(range(1, spec.num_processes)))
+    port = spec.control_addr.rpartition(":")[2]
+    bind = f"{ctx.cfg.server.bind_host}:{port}"
+    server = ControlServer(bind, spec.num_processes - 1, mirror.on_message,
+                           on_tick=mirror.on_tick)
+    mirror.attach(server)
+    log.info("lockstep: waiting for %d follower(s) on %s", spec.num_processes - 1, bind)
+    if not server.wait_followers(JOIN_TIMEOUT_S):
+        server.close()
+        raise RuntimeError(
+            f"instance {spec.instance_id!r}: not every follower process joined the lockstep "
+            f"channel {bind} (ports.control) within {JOIN_TIMEOUT_S:g}s")
+    atexit.register(mirror.close)
+    return LeaderRunner(runner, mirror)
