@@ -153,7 +153,8 @@ def test_plan_json_shape_roundtrip():
                          "proxy_url", "processes"}
     assert set(data["processes"][1]) == {
         "name", "role", "host", "address", "instance_id", "rank", "chips", "mesh", "ports",
-        "env", "command", "health_url", "priority", "cpu_affinity"}
+        "env", "command", "health_url", "priority", "cpu_affinity", "distributed", "leader"}
+    assert data["processes"][1]["distributed"] is None and data["processes"][1]["leader"]
     assert data["processes"][1]["rank"] == {"tp_rank": 0, "tp_size": 1, "cp_rank": 0,
                                             "cp_size": 1, "dp_rank": 0, "dp_size": 1,
                                             "pp_rank": 0, "pp_size": 1}

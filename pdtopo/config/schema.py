@@ -39,7 +39,8 @@ class TopologyError(ValueError):
 @dataclass
 class HostSchema:
     name: str = "localhost"
-    address: str = "127.0.0.1"
+    address: str = "127.0.0.1"  # IP literal or DNS name other hosts reach this one at
+    chips: int | None = None    # chips on this host (null: the accelerator's chips per host)
 
 
 @dataclass
@@ -57,6 +58,8 @@ class PortBasesSchema:
     transfer_base: int = 31000
     zmq_base: int = 32000
     tpu_process_base: int = 8476
+    coordinator_base: int = 33000  # jax.distributed coordinator (process 0 of a multi-process instance)
+    control_base: int = 34000      # leader -> followers broadcast (leader of a multi-process instance)
 
 
 @dataclass
@@ -72,10 +75,14 @@ class RoleSchema:
     """One server role (prefill, decode or colocated)."""
 
     instances: int = 1
+    processes_per_instance: int = 1  # N > 1: one instance = one N-process JAX cluster
     chips_per_instance: int = 1
+    chips_per_process: int | None = None  # null: chips_per_instance / processes_per_instance
+    # explicit host chip ids, one list per process (instance-major), replaces chips_per_*
     chips: list[list[int]] | None = None
-    mesh: dict[str, int] = field(default_factory=lambda: {"tp": 1})
+    mesh: dict[str, int] = field(default_factory=lambda: {"tp": 1})  # the whole instance's mesh
     host: str | None = None
+    hosts: list[str] | None = None  # one host per process (instance-major), replaces `host`
     # instance index -> {http|transfer|zmq: port}; replaces base + k for that instance
     port_overrides: dict[int, dict[str, int]] = field(default_factory=dict)
     engine: RoleEngineSchema = field(default_factory=RoleEngineSchema)

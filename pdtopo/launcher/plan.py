@@ -26,7 +26,13 @@ from pdtopo.config.schema import (
     typed_topology,
 )
 from pdtopo.launcher import validate
-from pdtopo.launcher.tpu_env import Accelerator, accelerator_spec, chip_env, share_cores
+from pdtopo.launcher.tpu_env import (
+    Accelerator,
+    accelerator_spec,
+    chip_env,
+    cluster_env,
+    share_cores,
+)
 
 PRIORITY = {"bootstrap": 100, "prefill": 200, "decode": 200, "colocated": 200, "local": 200,
             "proxy": 300}
@@ -56,6 +62,9 @@ class Process:
     health_url: str
     priority: int
     cpu_affinity: list[int] | None = None
+    # multi-process instance membership (None: a one-process instance or not a server)
+    distributed: dict[str, Any] | None = None
+    leader: bool = True
     # port kind -> config key it came from (for error messages; not part of plan.json)
     port_keys: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -67,6 +76,8 @@ class Process:
             "command": list(self.command), "health_url": self.health_url,
             "priority": self.priority,
             "cpu_affinity": None if self.cpu_affinity is None else list(self.cpu_affinity),
+            "distributed": None if self.distributed is None else dict(self.distributed),
+            "leader": self.leader,
         }
 
     @property
@@ -101,6 +112,16 @@ class Plan:
     def start_order(self) -> list[Process]:
         return sorted(self.processes, key=lambda p: (p.priority, self.processes.index(p)))
 
+    def hosts(self) -> list[str]:
+        """Host names that run at least one program, in plan order."""
+        return list(dict.fromkeys(p.host for p in self.processes))
+
+    def for_host(self, host: str) -> Plan:
+        """The same plan restricted to the programs of one host (what its supervisord runs)."""
+        return Plan(self.topology, self.mode, self.platform, self.accelerator,
+                    self.bootstrap_url, self.proxy_url,
+                    [p for p in self.processes if p.host == host])
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         procs = [Process(**{k: v for k, v in p.items() if k != "port_keys"})
@@ -115,10 +136,21 @@ class _Server:
 
     name: str
     role: str
-    index: int
+    index: int          # instance index within the role
+    process_index: int  # 0..processes_per_instance-1 within the instance
     spec: RoleSchema
+    host: str
+    address: str
     chips: list[int]
     chips_key: str
+
+    @property
+    def instance_id(self) -> str:
+        return f"{self.role}_{self.index}"
+
+    @property
+    def leader(self) -> bool:
+        return self.process_index == 0
 
 
 def _server_roles(topo: TopologySchema) -> list[tuple[str, RoleSchema]]:
@@ -129,23 +161,52 @@ def _server_roles(topo: TopologySchema) -> list[tuple[str, RoleSchema]]:
     return [("prefill", topo.prefill), ("decode", topo.decode)]  # local: chips of both meshes
 
 
+def process_name(role: str, index: int, process_index: int, processes: int) -> str:
+    """`prefill_0` for a one-process instance, `prefill_0_p0`, `prefill_0_p1`, ... otherwise."""
+    base = f"{role}_{index}"
+    return base if processes == 1 else f"{base}_p{process_index}"
+
+
 def _assign_chips(topo: TopologySchema, acc: Accelerator) -> list[_Server]:
+    """Place every process of every instance on a host and on chips of that host: explicit
+    lists, or the next free block of chips_per_process on the process's host."""
     servers: list[_Server] = []
-    next_free = 0
+    next_free: dict[str, int] = {}
     for role, spec in _server_roles(topo):
         validate.check_role(role, spec)
+        n = spec.processes_per_instance
+        per = validate.chips_per_process(role, spec)
+        validate.check_process_grid(acc, role, spec, per)
         for i in range(spec.instances):
-            if spec.chips is not None:
-                chips, key = [int(c) for c in spec.chips[i]], f"topology.{role}.chips"
-            else:
-                n = spec.chips_per_instance
-                chips, key = list(range(next_free, next_free + n)), \
-                    f"topology.{role}.chips_per_instance"
-                next_free += n
-            validate.check_chip_set(acc, key, chips)
-            validate.check_mesh(role, spec, chips)
-            servers.append(_Server(f"{role}_{i}", role, i, spec, chips, key))
-    validate.check_no_overlap((s.name, s.chips_key, s.chips) for s in servers)
+            for j in range(n):
+                flat = i * n + j
+                if spec.hosts is not None:
+                    host_key, host_name = f"topology.{role}.hosts.{flat}", spec.hosts[flat]
+                else:
+                    host_key, host_name = f"topology.{role}.host", spec.host
+                host, address = validate.host_address(topo, host_key, host_name)
+                if spec.chips is not None:
+                    chips = [int(c) for c in spec.chips[flat]]
+                    key = f"topology.{role}.chips"
+                else:
+                    start = next_free.get(host, 0)
+                    chips, next_free[host] = list(range(start, start + per)), start + per
+                    key = (f"topology.{role}.chips_per_process" if spec.chips_per_process
+                           is not None else f"topology.{role}.chips_per_instance")
+                cap = validate.host_chips(topo, acc, host)
+                validate.check_chip_set(acc, key, chips, cap if cap != acc.num_chips else None,
+                                        host if len(topo.hosts) > 1 else None)
+                if n > 1 and len(chips) != per:
+                    raise validate.TopologyError(key, chips, f"every process of a {role} "
+                                                 f"instance needs {per} chips")
+                validate.check_mesh(role, spec, chips)
+                servers.append(_Server(process_name(role, i, j, n), role, i, j, spec, host,
+                                       address, chips, key))
+    for host in dict.fromkeys(s.host for s in servers):
+        validate.check_no_overlap((s.name, s.chips_key, s.chips) for s in servers
+                                  if s.host == host)
+    if topo.mode == "pd":
+        validate.check_symmetric(topo)
     return servers
 
 
@@ -161,6 +222,39 @@ def _runtime_cmd(python: str, module: str, run_dir: str, name: str) -> list[str]
     return [python, "-m", module, "--run-dir", run_dir, "--process", name]
 
 
+def _host_affinity(servers: list[_Server], acc: Accelerator,
+                   cpus: int | Sequence[int] | None) -> list[list[int] | None]:
+    """CPU shares per server: the cores are shared among the server processes of each host."""
+    out: list[list[int] | None] = [None] * len(servers)
+    if acc.platform != "cpu":
+        return out
+    for host in dict.fromkeys(s.host for s in servers):
+        idx = [k for k, s in enumerate(servers) if s.host == host]
+        for k, share in zip(idx, share_cores(len(idx), cpus), strict=True):
+            out[k] = share
+    return out
+
+
+def _server_ports(topo: TopologySchema, s: _Server, k: int) -> tuple[dict[str, int],
+                                                                     dict[str, str]]:
+    """Port kind -> port of the k-th server process (base + k unless overridden; an
+    instance's port_overrides apply to its leader)."""
+    overrides = s.spec.port_overrides.get(s.index, {}) if s.leader else {}
+    ports, keys = {}, {}
+    for kind in PORT_KINDS:
+        if kind in overrides:
+            ports[kind] = int(overrides[kind])
+            keys[kind] = f"topology.{s.role}.port_overrides.{s.index}.{kind}"
+        else:
+            ports[kind] = getattr(topo.ports, f"{kind}_base") + k
+            keys[kind] = f"topology.ports.{kind}_base"
+    if s.spec.processes_per_instance > 1 and s.leader:
+        for kind in ("coordinator", "control"):
+            ports[kind] = getattr(topo.ports, f"{kind}_base") + k
+            keys[kind] = f"topology.ports.{kind}_base"
+    return ports, keys
+
+
 def local_process_layout(topo: TopologySchema) -> tuple[list[int], RoleSchema]:
     """Chips and role spec (mesh: engine -> devices) of the one program of mode local."""
     from pdtopo.runtime.local.slices import local_layout
@@ -173,34 +267,52 @@ def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
                       servers: list[_Server], run_dir: str, python: str,
                       cpus: int | Sequence[int] | None) -> list[Process]:
     if topo.mode == "local":  # one in-process disagg program over the P and D chips
+        if any(s.spec.processes_per_instance > 1 for s in servers):
+            raise validate.TopologyError("topology.prefill.processes_per_instance",
+                                         topo.prefill.processes_per_instance,
+                                         "mode local runs one process")
         chips, local_spec = local_process_layout(topo)  # topology.prefill/decode_slices
         validate.check_chip_set(acc, "topology.decode_slices", chips)
-        servers = [_Server("local_0", "local", 0, local_spec, chips, "topology.decode_slices")]
-    affinity = share_cores(len(servers), cpus if acc.platform == "cpu" else None)
+        first = servers[0]
+        servers = [_Server("local_0", "local", 0, 0, local_spec, first.host, first.address,
+                           chips, "topology.decode_slices")]
+    affinity = _host_affinity(servers, acc, cpus)
     server_module = str(OmegaConf.select(cfg, "launcher.server_module", default=SERVER_MODULE))
+    planned = [_server_ports(topo, s, k) for k, s in enumerate(servers)]
+    tpu_ports = [topo.ports.tpu_process_base + k for k in range(len(servers))]
     out = []
     for k, s in enumerate(servers):
-        host, address = validate.host_address(topo, f"topology.{s.role}.host", s.spec.host)
-        overrides = s.spec.port_overrides.get(s.index, {})
-        ports, keys = {}, {}
-        for kind in PORT_KINDS:
-            if kind in overrides:
-                ports[kind] = int(overrides[kind])
-                keys[kind] = f"topology.{s.role}.port_overrides.{s.index}.{kind}"
-            else:
-                ports[kind] = getattr(topo.ports, f"{kind}_base") + k
-                keys[kind] = f"topology.ports.{kind}_base"
-        tpu_port = topo.ports.tpu_process_base + k
+        ports, keys = planned[k]
+        n = s.spec.processes_per_instance
+        members = [m for m, t in enumerate(servers) if t.instance_id == s.instance_id]
+        distributed = None
         if acc.platform == "tpu":
-            ports["tpu_process"], keys["tpu_process"] = tpu_port, "topology.ports.tpu_process_base"
-        env = {**_common_env(cfg), **chip_env(acc, s.chips, tpu_port)}
+            ports["tpu_process"], keys["tpu_process"] = tpu_ports[k], \
+                "topology.ports.tpu_process_base"
+        if n == 1:
+            chip = chip_env(acc, s.chips, tpu_ports[k])
+        else:
+            lead = members[0]
+            distributed = {
+                "coordinator": f"{servers[lead].address}:{planned[lead][0]['coordinator']}",
+                "num_processes": n, "process_id": s.process_index,
+                "local_device_ids": list(range(len(s.chips))),
+            }
+            chip = cluster_env(acc, s.chips, s.process_index,
+                               [f"{servers[m].address}:{tpu_ports[m]}" for m in members],
+                               tpu_ports[k])
         tp = int(s.spec.mesh.get("tp", 1))
+        rank = default_rank(tp)
+        rank["tp_rank"] = s.process_index
         out.append(Process(
-            name=s.name, role=s.role, host=host, address=address, instance_id=s.name,
-            rank=default_rank(tp), chips=list(s.chips), mesh=dict(s.spec.mesh), ports=ports,
-            env=env, command=_runtime_cmd(python, server_module, run_dir, s.name),
-            health_url=f"http://{address}:{ports['http']}/health", priority=PRIORITY[s.role],
-            cpu_affinity=affinity[k], port_keys=keys,
+            name=s.name, role=s.role, host=s.host, address=s.address,
+            instance_id=s.instance_id if s.role != "local" else s.name, rank=rank,
+            chips=list(s.chips), mesh=dict(s.spec.mesh), ports=ports,
+            env={**_common_env(cfg), **chip},
+            command=_runtime_cmd(python, server_module, run_dir, s.name),
+            health_url=f"http://{s.address}:{ports['http']}/health", priority=PRIORITY[s.role],
+            cpu_affinity=affinity[k], distributed=distributed, leader=s.leader,
+            port_keys=keys,
         ))
     return out
 
@@ -254,8 +366,8 @@ def _proxy_process(cfg: DictConfig, topo: TopologySchema, proxy: ProxySchema,
                                          "the rust router needs a prometheus port")
         ports["prometheus"] = topo.proxy.prometheus_port
         keys["prometheus"] = "topology.proxy.prometheus_port"
-    prefills = [p for p in servers if p.role == "prefill"]
-    decodes = [p for p in servers if p.role == "decode"]
+    prefills = [p for p in servers if p.role == "prefill" and p.leader]
+    decodes = [p for p in servers if p.role == "decode" and p.leader]
     return Process(
         name="proxy", role="proxy", host=host, address=address, instance_id="proxy",
         rank=default_rank(), chips=[], mesh={}, ports=ports, env=_common_env(cfg),
@@ -272,6 +384,7 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
     proxy = typed_proxy(cfg)
     validate.check_basics(topo, proxy)
     acc = accelerator_spec(topo.accelerator, topo.platform)
+    validate.check_hosts(topo, acc)
     engine = OmegaConf.to_container(cfg.engine, resolve=True) if "engine" in cfg else {}
     if topo.mode == "pd":
         validate.check_engine_compat(topo, engine)

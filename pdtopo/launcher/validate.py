@@ -8,7 +8,9 @@ that needs I/O.
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 from collections.abc import Iterable
 
 from pdtopo.config.schema import (
@@ -21,7 +23,24 @@ from pdtopo.config.schema import (
     TopologyError,
     TopologySchema,
 )
-from pdtopo.launcher.tpu_env import Accelerator, split_error
+from pdtopo.launcher.tpu_env import Accelerator, process_grid, split_error
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def address_error(address: str) -> str | None:
+    """Why `address` is neither an IP literal nor a DNS host name, or None."""
+    try:
+        ipaddress.ip_address(address)
+        return None
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", address):
+        return "not a valid IPv4 address"
+    if not _HOSTNAME.match(address):
+        return "not an IP address or DNS host name"
+    return None
 
 
 def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
@@ -42,9 +61,37 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
     if not topo.hosts:
         raise TopologyError("topology.hosts", [], "at least one host is needed")
     names = [h.name for h in topo.hosts]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise TopologyError(f"topology.hosts.{i}.name", name, "duplicate host name")
+    for i, host in enumerate(topo.hosts):
+        if not host.name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", host.name):
+            raise TopologyError(f"topology.hosts.{i}.name", host.name,
+                                "host names are letters, digits, '.', '_' and '-'")
+        if host.name in names[:i]:
+            raise TopologyError(f"topology.hosts.{i}.name", host.name, "duplicate host name")
+        why = address_error(str(host.address))
+        if why:
+            raise TopologyError(f"topology.hosts.{i}.address", host.address, why)
+        if host.chips is not None and host.chips < 1:
+            raise TopologyError(f"topology.hosts.{i}.chips", host.chips, "must be at least 1")
+
+
+def check_hosts(topo: TopologySchema, acc: Accelerator) -> None:
+    """A multi-host TPU slice names all of its hosts; a host cannot have more chips than the
+    accelerator's hosts have."""
+    if acc.platform == "tpu" and acc.hosts > 1 and len(topo.hosts) != acc.hosts:
+        raise TopologyError("topology.hosts", [h.name for h in topo.hosts],
+                            f"{acc.name} is a slice of {acc.hosts} hosts; "
+                            f"{len(topo.hosts)} given")
+    for i, host in enumerate(topo.hosts):
+        if acc.platform == "tpu" and host.chips is not None and host.chips > acc.num_chips:
+            raise TopologyError(f"topology.hosts.{i}.chips", host.chips,
+                                f"a {acc.name} host has {acc.num_chips} chips")
+
+
+def host_chips(topo: TopologySchema, acc: Accelerator, name: str) -> int:
+    for h in topo.hosts:
+        if h.name == name:
+            return acc.num_chips if h.chips is None else int(h.chips)
+    raise KeyError(name)
 
 
 def host_address(topo: TopologySchema, key: str, name: str | None) -> tuple[str, str]:
@@ -65,12 +112,44 @@ def check_role(role: str, spec: RoleSchema) -> None:
     if spec.chips is None and spec.chips_per_instance < 1:
         raise TopologyError(f"{key}.chips_per_instance", spec.chips_per_instance,
                             "must be at least 1")
-    if spec.chips is not None and len(spec.chips) != spec.instances:
+    n = spec.processes_per_instance
+    if n < 1:
+        raise TopologyError(f"{key}.processes_per_instance", n, "must be at least 1")
+    total = spec.instances * n
+    what = "instances" if n == 1 else f"processes ({spec.instances} instances x {n})"
+    if spec.chips is not None and len(spec.chips) != total:
         raise TopologyError(f"{key}.chips", spec.chips,
-                            f"{len(spec.chips)} chip lists for {spec.instances} instances")
+                            f"{len(spec.chips)} chip lists for {total} {what}")
+    if spec.hosts is not None:
+        if len(spec.hosts) != total:
+            raise TopologyError(f"{key}.hosts", spec.hosts,
+                                f"{len(spec.hosts)} hosts for {total} {what}; give one host "
+                                "per process, instance-major")
+        if spec.host is not None:
+            raise TopologyError(f"{key}.host", spec.host, f"give {key}.host or {key}.hosts, "
+                                "not both")
     for axis, size in spec.mesh.items():
         if size < 1:
             raise TopologyError(f"{key}.mesh.{axis}", size, "mesh axis sizes must be >= 1")
+    if n > 1 and any(size > 1 for axis, size in spec.mesh.items() if axis != "tp"):
+        raise TopologyError(f"{key}.mesh", dict(spec.mesh),
+                            "a multi-process instance supports a tp-only mesh")
+    chips_per_process(role, spec)
+
+
+def chips_per_process(role: str, spec: RoleSchema) -> int:
+    """Chips of each process of an instance (from chips_per_process or chips_per_instance)."""
+    key = f"topology.{role}"
+    n = spec.processes_per_instance
+    if spec.chips_per_process is not None:
+        if spec.chips_per_process < 1:
+            raise TopologyError(f"{key}.chips_per_process", spec.chips_per_process,
+                                "must be at least 1")
+        return int(spec.chips_per_process)
+    if spec.chips_per_instance % n:
+        raise TopologyError(f"{key}.chips_per_instance", spec.chips_per_instance,
+                            f"does not divide into {n} processes (processes_per_instance)")
+    return spec.chips_per_instance // n
     for idx, ports in spec.port_overrides.items():
         if not 0 <= idx < spec.instances:
             raise TopologyError(f"{key}.port_overrides", idx,
@@ -81,19 +160,51 @@ def check_role(role: str, spec: RoleSchema) -> None:
                                     f"unknown port kind (known: {', '.join(PORT_KINDS)})")
 
 
-def check_chip_set(acc: Accelerator, key: str, chips: list[int]) -> None:
-    why = split_error(acc, chips)
+def check_chip_set(acc: Accelerator, key: str, chips: list[int], host_chips: int | None = None,
+                   host: str | None = None) -> None:
+    why = split_error(acc, chips, host_chips, host)
     if why:
         raise TopologyError(key, chips, why)
 
 
 def check_mesh(role: str, spec: RoleSchema, chips: list[int]) -> None:
+    """The instance mesh covers all its processes' chips (N processes x chips each)."""
     size = math.prod(spec.mesh.values()) if spec.mesh else 1
-    if size != len(chips):
+    n = spec.processes_per_instance
+    if size != n * len(chips):
         axis = "tp" if "tp" in spec.mesh or not spec.mesh else next(iter(spec.mesh))
+        has = (f"{len(chips)} chips {chips}" if n == 1 else
+               f"{n} processes x {len(chips)} chips = {n * len(chips)} devices")
         raise TopologyError(f"topology.{role}.mesh.{axis}", spec.mesh.get(axis, 1),
                             f"mesh {dict(spec.mesh)} has {size} devices but the instance has "
-                            f"{len(chips)} chips {chips}")
+                            f"{has}")
+
+
+def check_process_grid(acc: Accelerator, role: str, spec: RoleSchema, per: int) -> None:
+    n = spec.processes_per_instance
+    if acc.platform == "tpu" and n > 1 and process_grid(acc, per, n) is None:
+        known = sorted(f"{k}x{b}" for b, k in acc.process_grids)
+        raise TopologyError(f"topology.{role}.processes_per_instance", n,
+                            f"no known TPU_PROCESS_BOUNDS for {n} processes of {per} chips on "
+                            f"{acc.name} (known processes x chip bounds: {', '.join(known)})")
+
+
+def check_symmetric(topo: TopologySchema) -> None:
+    """Multi-process P and D pair process i with process i (RFC-2 section 6.2 N:N pairing):
+    both sides need the same number of processes per instance and the same local mesh."""
+    p, d = topo.prefill, topo.decode
+    if p.processes_per_instance == 1 and d.processes_per_instance == 1:
+        return
+    if p.processes_per_instance != d.processes_per_instance:
+        raise TopologyError("topology.decode.processes_per_instance", d.processes_per_instance,
+                            f"prefill has {p.processes_per_instance} processes per instance; "
+                            "N:N KV pairing (process i <-> process i) needs the same on both")
+    pp, dp = chips_per_process("prefill", p), chips_per_process("decode", d)
+    if pp != dp or dict(p.mesh) != dict(d.mesh):
+        raise TopologyError("topology.decode.mesh", dict(d.mesh),
+                            f"prefill processes have {pp} chips and mesh {dict(p.mesh)}, decode "
+                            f"{dp} chips and mesh {dict(d.mesh)}; N:N KV pairing needs the same "
+                            "local mesh on both")
 
 
 def check_no_overlap(assigned: Iterable[tuple[str, str, list[int]]]) -> None:
@@ -107,7 +218,8 @@ def check_no_overlap(assigned: Iterable[tuple[str, str, list[int]]]) -> None:
 
 
 def check_ports(entries: Iterable[tuple[str, str, str, str, int]]) -> None:
-    """entries: (process, kind, config key, address, port). Ports must be valid and unique."""
+    """entries: (process, kind, config key, address, port). Ports must be valid and unique
+    per address."""
     seen: dict[tuple[str, int], str] = {}
     for name, kind, key, address, port in entries:
         if not 1 <= port <= 65535:
