@@ -119,8 +119,11 @@ def test_port_overrides_replace_base_plus_k():
 def test_proxy_command_rust_and_mini_lb():
     plan = plan_for("topology=2p2d_cpu", "proxy.api_key=sekret")
     cmd = plan.by_name()["proxy"].command
-    assert cmd[:4] == ["/venv/bin/python", "-m", "sglang_router.launch_router",
+    # with a key: the same router through pdtopo's entry, the key in the environment only
+    assert cmd[:4] == ["/venv/bin/python", "-m", "pdtopo.launcher.router_entry",
                        "--pd-disaggregation"]
+    assert "sekret" not in cmd and "sekret" not in plan.to_json()
+    assert plan.by_name()["proxy"].secret_env == {"PDTOPO_PROXY_API_KEY": "sekret"}
     joined = " ".join(cmd)
     assert "--prefill http://127.0.0.1:30000 32000 --prefill http://127.0.0.1:30001 32001" \
         in joined
@@ -128,7 +131,7 @@ def test_proxy_command_rust_and_mini_lb():
     for flag in ("--host 127.0.0.1", "--port 8000", "--prometheus-host 127.0.0.1",
                  "--prometheus-port 29100", "--prefill-policy round_robin",
                  "--decode-policy round_robin", "--request-timeout-secs 600",
-                 "--health-check-interval-secs 10", "--api-key sekret"):
+                 "--health-check-interval-secs 10"):
         assert flag in joined
     mini = plan_for("proxy=mini_lb").by_name()["proxy"]
     assert "--mini-lb" in mini.command and "--prefill-policy" not in mini.command

@@ -88,6 +88,6 @@ def test_percent_survives_supervisord_parsing(tmp_path):
     names = [g.name for g in opts.process_group_configs]
     assert sorted(names) == ["bootstrap", "decode_0", "prefill_0", "proxy"]
     proxy = [g for g in opts.process_group_configs if g.name == "proxy"][0]
-    assert "--api-key a%b" in proxy.process_configs[0].command
+    assert proxy.process_configs[0].environment["PDTOPO_PROXY_API_KEY"] == "a%b"
     with pytest.raises(ValueError, match="contains '%'"):
         rendered(str(tmp_path / "bad%d"))

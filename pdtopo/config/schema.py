@@ -114,7 +114,8 @@ class ProxySchema:
     kind: str = "rust"
     policy: str = "round_robin"
     decode_policy: str = "round_robin"
-    api_key: str | None = None
+    api_key: str | None = None       # prefer ${oc.env:VAR} or api_key_file to a literal
+    api_key_file: str | None = None  # file whose first line is the key (read at proxy start)
     request_timeout_s: int = 600
     health_check_interval_s: int = 10
     retries: int | None = None        # rust: null = router default, 0 = --disable-retries

@@ -84,6 +84,8 @@ def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool,
             raise TopologyError("hydra.run.dir", str(run_dir),
                                 "already holds a deployment; pick a new run dir")
         prepared = prepare(cfg, run_dir)
+        for warning in prepared.plan.warnings:
+            con.print(f"[bold yellow]WARNING:[/] {warning}", highlight=False)
         if check_ports:
             wait_ports_free(prepared.plan, wait_ports_s)
         return prepared

@@ -39,6 +39,10 @@ PRIORITY = {"bootstrap": 100, "prefill": 200, "decode": 200, "colocated": 200, "
 SERVER_MODULE = "pdtopo.runtime.server"
 BOOTSTRAP_MODULE = "pdtopo.runtime.bootstrap"
 ROUTER_MODULE = "sglang_router.launch_router"
+# runs the same router with the API key from the environment or a file, never from argv
+ROUTER_KEY_MODULE = "pdtopo.launcher.router_entry"
+API_KEY_ENV = "PDTOPO_PROXY_API_KEY"
+API_KEY_FILE_ENV = "PDTOPO_PROXY_API_KEY_FILE"
 
 
 def default_rank(tp_size: int = 1) -> dict[str, int]:
@@ -67,6 +71,9 @@ class Process:
     leader: bool = True
     # port kind -> config key it came from (for error messages; not part of plan.json)
     port_keys: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # environment that holds secrets (the proxy API key): rendered into supervisord.conf
+    # (mode 0600) only, never into plan.json or a command line
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +101,8 @@ class Plan:
     bootstrap_url: str | None
     proxy_url: str | None
     processes: list[Process]
+    # loud notes for the user (e.g. launcher.allow_incompatible_roles); not part of plan.json
+    warnings: list[str] = field(default_factory=list, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -124,7 +133,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        procs = [Process(**{k: v for k, v in p.items() if k != "port_keys"})
+        procs = [Process(**{k: v for k, v in p.items() if k not in ("port_keys", "secret_env")})
                  for p in data["processes"]]
         return cls(data["topology"], data["mode"], data["platform"], data["accelerator"],
                    data.get("bootstrap_url"), data.get("proxy_url"), procs)
@@ -332,7 +341,8 @@ def _bootstrap_process(cfg: DictConfig, topo: TopologySchema, run_dir: str,
 
 def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[str, int],
                    prefills: list[Process], decodes: list[Process]) -> list[str]:
-    cmd = [python, "-m", ROUTER_MODULE, "--pd-disaggregation"]
+    module = ROUTER_KEY_MODULE if (proxy.api_key or proxy.api_key_file) else ROUTER_MODULE
+    cmd = [python, "-m", module, "--pd-disaggregation"]
     for p in prefills:
         cmd += ["--prefill", p.url, str(p.ports["zmq"])]
     for d in decodes:
@@ -350,9 +360,7 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
         if not proxy.circuit_breaker:
             cmd += ["--disable-circuit-breaker"]
     cmd += ["--request-timeout-secs", str(proxy.request_timeout_s)]
-    if proxy.api_key:
-        cmd += ["--api-key", str(proxy.api_key)]
-    return cmd
+    return cmd  # an API key travels in the environment (proxy_key_env), not in argv
 
 
 def _proxy_process(cfg: DictConfig, topo: TopologySchema, proxy: ProxySchema,
@@ -368,12 +376,16 @@ def _proxy_process(cfg: DictConfig, topo: TopologySchema, proxy: ProxySchema,
         keys["prometheus"] = "topology.proxy.prometheus_port"
     prefills = [p for p in servers if p.role == "prefill" and p.leader]
     decodes = [p for p in servers if p.role == "decode" and p.leader]
+    env = _common_env(cfg)
+    if proxy.api_key_file:
+        env[API_KEY_FILE_ENV] = str(proxy.api_key_file)  # a path, not the key
     return Process(
         name="proxy", role="proxy", host=host, address=address, instance_id="proxy",
-        rank=default_rank(), chips=[], mesh={}, ports=ports, env=_common_env(cfg),
+        rank=default_rank(), chips=[], mesh={}, ports=ports, env=env,
         command=router_command(python, proxy, address, ports, prefills, decodes),
         health_url=f"http://{address}:{ports['http']}/health", priority=PRIORITY["proxy"],
         port_keys=keys,
+        secret_env={API_KEY_ENV: str(proxy.api_key)} if proxy.api_key else {},
     )
 
 
@@ -386,8 +398,10 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
     acc = accelerator_spec(topo.accelerator, topo.platform)
     validate.check_hosts(topo, acc)
     engine = OmegaConf.to_container(cfg.engine, resolve=True) if "engine" in cfg else {}
+    warnings: list[str] = []
     if topo.mode == "pd":
-        validate.check_engine_compat(topo, engine)
+        allow = bool(OmegaConf.select(cfg, "launcher.allow_incompatible_roles", default=False))
+        warnings = validate.check_engine_compat(topo, engine, allow_incompatible=allow)
     servers = _server_processes(cfg, topo, acc, _assign_chips(topo, acc), str(run_dir),
                                 python, cpus)
     processes: list[Process] = []
@@ -403,4 +417,4 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
                           port) for p in processes for kind, port in p.ports.items())
     return Plan(topology=topo.name, mode=topo.mode, platform=topo.platform,
                 accelerator=topo.accelerator, bootstrap_url=bootstrap_url, proxy_url=proxy_url,
-                processes=processes)
+                processes=processes, warnings=warnings)

@@ -3,8 +3,9 @@
 The conf holds a unix socket (no TCP port) inside the run dir, or under /tmp when the run-dir
 path would exceed the AF_UNIX path limit; `[rpcinterface:supervisor]` and `[supervisorctl]`
 so `supervisorctl -c RUN/supervisord.conf` works; one `[program:NAME]` per plan process, in
-plan order. The deployment token goes into each program's environment, so the conf is
-written with mode 0600. Processes with `cpu_affinity` run through `pdtopo.launcher.pin`.
+plan order. The deployment token (and the proxy's API key, `Process.secret_env`) go into the
+programs' environment, so the conf is written with mode 0600. Processes with `cpu_affinity`
+run through `pdtopo.launcher.pin`.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def render_supervisord(plan: Plan, *, run_dir: str | PurePath, token: str,
         "",
     ]
     for proc in plan.processes:
-        env = {**proc.env, TOKEN_ENV: token}
+        env = {**proc.env, **proc.secret_env, TOKEN_ENV: token}
         lines += [
             f"[program:{proc.name}]",
             f"command={_escape(shlex.join(program_command(proc)))}",

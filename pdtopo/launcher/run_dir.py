@@ -1,6 +1,7 @@
 """The run directory of a deployment: writing it, and finding it again.
 
-`write_run_dir` lays out RUN/config.yaml (composed, resolved, no hydra node), plan.json,
+`write_run_dir` lays out RUN/config.yaml (composed, resolved, no hydra node, proxy.api_key
+redacted), plan.json,
 supervisord.conf (0600: it holds the token), token (0600) and logs/. `find_latest_run`
 returns the newest run dir under outputs/ (or multirun/) of a working directory.
 """
@@ -19,6 +20,7 @@ from pdtopo.launcher.plan import Plan
 CONF_FILE = "supervisord.conf"
 TOKEN_FILE = "token"
 LOG_DIR = "logs"
+REDACTED = "<redacted: in supervisord.conf>"
 
 
 def new_token() -> str:
@@ -29,6 +31,9 @@ def resolved_config(cfg: DictConfig) -> str:
     data = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(data, dict)
     data.pop("hydra", None)
+    proxy = data.get("proxy")
+    if isinstance(proxy, dict) and proxy.get("api_key"):
+        proxy["api_key"] = REDACTED  # the key lives in supervisord.conf (0600) only
     return OmegaConf.to_yaml(OmegaConf.create(data))
 
 

@@ -52,9 +52,14 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
     if proxy.kind not in PROXY_KINDS:
         raise TopologyError("proxy.kind", proxy.kind,
                             f"unknown proxy kind (known: {', '.join(PROXY_KINDS)})")
-    if proxy.kind == "mini_lb" and proxy.api_key:
-        raise TopologyError("proxy.api_key", "***",
-                            "mini_lb does not check API keys; use proxy=rust or drop the key")
+    for key_field in ("api_key", "api_key_file"):
+        if proxy.kind == "mini_lb" and getattr(proxy, key_field):
+            raise TopologyError(f"proxy.{key_field}", "***" if key_field == "api_key"
+                                else proxy.api_key_file,
+                                "mini_lb does not check API keys; use proxy=rust or drop the key")
+    if proxy.api_key and proxy.api_key_file:
+        raise TopologyError("proxy.api_key_file", proxy.api_key_file,
+                            "give the key once: proxy.api_key or proxy.api_key_file, not both")
     if proxy.retries is not None and proxy.retries < 0:
         raise TopologyError("proxy.retries", proxy.retries,
                             "must be null (router default), 0 (no retries) or a positive count")
@@ -230,9 +235,14 @@ def check_ports(entries: Iterable[tuple[str, str, str, str, int]]) -> None:
         seen[(address, port)] = f"{name} ({kind})"
 
 
-def check_engine_compat(topo: TopologySchema, engine: dict) -> None:
+def check_engine_compat(topo: TopologySchema, engine: dict, *,
+                        allow_incompatible: bool = False) -> list[str]:
     """P and D must agree on page size and KV dtype (KV pages move between their pools).
-    One engine config serves all roles today; per-role values must match it."""
+    `topology.<role>.engine.*` overrides `engine.*` for that role's processes (the runtime
+    merges them: `pdtopo.runtime.settings.role_engine_config`). With
+    `launcher.allow_incompatible_roles=true` (tests, experts) a mismatch is returned as a
+    warning instead of raised: the runtime then refuses the transfers at request time."""
+    warnings = []
     for field_name in ("page_size", "kv_dtype"):
         base = engine.get(field_name)
         p = getattr(topo.prefill.engine, field_name)
@@ -242,11 +252,11 @@ def check_engine_compat(topo: TopologySchema, engine: dict) -> None:
         if p_eff != d_eff:
             key = f"topology.decode.engine.{field_name}" if d is not None else \
                 f"topology.prefill.engine.{field_name}"
-            raise TopologyError(key, d_eff if d is not None else p_eff,
+            err = TopologyError(key, d_eff if d is not None else p_eff,
                                 f"prefill {field_name}={p_eff!r} but decode {field_name}={d_eff!r};"
                                 " P and D must agree")
-        for role, val in (("prefill", p), ("decode", d)):
-            if val is not None and val != base:
-                raise TopologyError(f"topology.{role}.engine.{field_name}", val,
-                                    f"differs from engine.{field_name}={base!r}; the runtime has "
-                                    "one engine config today")
+            if not allow_incompatible:
+                raise err
+            warnings.append(f"{err} (allowed by launcher.allow_incompatible_roles=true: every "
+                            "PD request will fail with an incompatible-peer error)")
+    return warnings

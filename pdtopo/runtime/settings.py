@@ -6,6 +6,11 @@ picks the process entry named NAME and returns a `ProcessContext`. The per-run d
 arrives through the environment (the launcher puts it into supervisord's program environment)
 and is read here, nowhere else. A colocated server started directly gets a context built from a
 composed config and a port via `direct_process_context`.
+
+Per-role engine overrides: a topology may give `topology.<role>.engine.<key>` (e.g. a decode
+pool with another page size, for experts and compatibility tests); `role_engine_config` merges
+the non-null ones into `cfg.engine` for that role's processes. This is the only place the
+runtime applies them, so every module keeps reading `ctx.cfg.engine`.
 """
 
 from __future__ import annotations
@@ -58,6 +63,20 @@ class ProcessContext:
         return self.plan.get("bootstrap_url")
 
 
+def role_engine_config(cfg: DictConfig, role: str) -> DictConfig:
+    """`cfg` with the non-null values of `topology.<role>.engine` merged into `engine`."""
+    overrides = OmegaConf.select(cfg, f"topology.{role}.engine", default=None)
+    if not overrides:
+        return cfg
+    values = {k: v for k, v in OmegaConf.to_container(overrides, resolve=True).items()
+              if v is not None}
+    if not values:
+        return cfg
+    merged = OmegaConf.to_container(cfg, resolve=True)
+    merged["engine"] = {**merged.get("engine", {}), **values}
+    return OmegaConf.create(merged)
+
+
 def load_process_context(run_dir: str | Path, process_name: str) -> ProcessContext:
     run = Path(run_dir)
     cfg_path, plan_path = run / CONFIG_FILE, run / PLAN_FILE
@@ -69,9 +88,10 @@ def load_process_context(run_dir: str | Path, process_name: str) -> ProcessConte
     if process_name not in by_name:
         known = ", ".join(sorted(by_name)) or "none"
         raise KeyError(f"process {process_name!r} is not in {plan_path} (known: {known})")
+    process = by_name[process_name]
     return ProcessContext(
-        cfg=cfg,
-        process=by_name[process_name],
+        cfg=role_engine_config(cfg, process["role"]),
+        process=process,
         plan=plan,
         run_dir=run,
         token=os.environ.get(TOKEN_ENV),
@@ -96,5 +116,5 @@ def direct_process_context(
         "ports": {"http": port},
     }
     process.update(extra or {})
-    return ProcessContext(cfg=cfg, process=process, plan={}, run_dir=None,
+    return ProcessContext(cfg=role_engine_config(cfg, process["role"]), process=process, plan={}, run_dir=None,
                           token=token if token is not None else os.environ.get(TOKEN_ENV))

@@ -48,6 +48,24 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(msgs), _loc(first.get("loc", ()))
 
 
+def _rooms(value) -> list[int]:
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def tell_peer_rejected(request: Request, exc: InvalidRequest) -> None:
+    """A prefill server that rejects a PD request (too long, bad sampling values) tells the
+    decode server waiting for that room's KV at once, over the side channel, so D ends the
+    request with the same 400 instead of waiting `kv_timeout_s` for KV that never comes."""
+    rooms = _rooms(getattr(request.state, "bootstrap_rooms", None))
+    scheduler = getattr(getattr(request.app.state, "server", None), "scheduler", None)
+    reject = getattr(scheduler, "reject_room", None)
+    if not rooms or reject is None:
+        return
+    for room in rooms:
+        reject(room, f"rejected by the prefill server: {exc.message}", 400)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -56,6 +74,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
+        tell_peer_rejected(request, exc)
         return error_response(400, exc.message, exc.field)
 
     @app.exception_handler(EngineUnavailable)

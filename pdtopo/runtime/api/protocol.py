@@ -92,6 +92,8 @@ async def parse_body(request, model: type[BaseModel]):
         raise InvalidRequest(None, f"malformed JSON body: {e}") from None
     if not isinstance(data, dict):
         raise InvalidRequest(None, "the request body must be a JSON object")
+    # the PD rooms of the request, for the error handler: a P that rejects a request tells D
+    request.state.bootstrap_rooms = data.get("bootstrap_room")
     try:
         return model.model_validate(data)
     except ValidationError as e:

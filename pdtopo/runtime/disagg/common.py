@@ -82,8 +82,22 @@ class DisaggregationMixinBase:
     def registration_info(self) -> dict[str, Any]:
         return self.registration.model_dump()
 
+    def reject_room(self, room: int, message: str, status: int = 400) -> None:
+        """Thread-safe: the HTTP layer rejected a request of `room` before it reached the
+        scheduler; the scheduler thread tells the PD peer (`_reject_room`)."""
+        self.inbox.put(("reject_room", (int(room), str(message), int(status))))
+
+    def dispatch(self, msg: tuple[Any, Any]) -> None:
+        if msg[0] == "reject_room":
+            self._reject_room(*msg[1])
+        else:
+            super().dispatch(msg)
+
+    def _reject_room(self, room: int, message: str, status: int) -> None:
+        """Nothing to tell by default (D's own rejection needs no message to P)."""
+
     def pd_state(self) -> dict[str, Any]:
-        return {}
+        return {"pd_side_channel_dropped": self.kv_manager.channel.stats().get("dropped", 0)}
 
     def publish_stats(self) -> None:
         super().publish_stats()

@@ -79,6 +79,15 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             return
         super().handle_new_request(req)
 
+    def _reject_room(self, room: int, message: str, status: int) -> None:
+        """The HTTP layer rejected this room's request: fail the room so that D (whose `want`
+        may be waiting, or may come later and meet the tombstone) ends it with `status`."""
+        try:
+            sender = self.kv_manager.create_sender(room)
+        except (KVTransferError, ValueError):
+            return  # the room already has a sender: it reports its own outcome
+        sender.abort(message, status=status)
+
     def on_prefill_finished(self, req: Req, next_token: int) -> None:
         sender = self._senders.get(req.rid)
         prompt_len = len(req.prompt_ids)
@@ -104,6 +113,6 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         super().finish_request(req, reason)
 
     def pd_state(self) -> dict[str, Any]:
-        return {"pd_inflight_senders": len(self._inflight),
+        return {**super().pd_state(), "pd_inflight_senders": len(self._inflight),
                 "pd_registered_kv": self.kv_manager.num_registered()}
 
