@@ -1,0 +1,83 @@
+"""Bench settings, workloads, arrival times and per-request ITL splitting (no servers)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdtopo.bench.loadgen import RequestResult, arrival_offsets
+from pdtopo.bench.settings import BenchConfigError, BenchSettings
+from pdtopo.bench.stats import percentile, request_itls
+from pdtopo.bench.workload import build_workload, load_jsonl, synthetic
+from pdtopo.cli import main
+from pdtopo.config.compose import compose_config
+
+
+def test_default_config_section_is_valid():
+    s = BenchSettings.from_config(compose_config([])["bench"])
+    assert math.isinf(s.request_rate) and s.arrival == "poisson" and s.num_requests >= 1
+    s = BenchSettings.from_config(compose_config(["bench.request_rate=inf"])["bench"])
+    assert math.isinf(s.request_rate)
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"num_requests": 0}, "bench.num_requests"),
+    ({"request_rate": -1}, "bench.request_rate"),
+    ({"arrival": "burst"}, "bench.arrival"),
+    ({"input_len_range": 1.5}, "bench.input_len_range"),
+    ({"token_id_range": [5, 5]}, "bench.token_id_range"),
+    ({"slo": {"ttft": 3}}, "bench.slo"),
+    ({"nope": 1}, "bench.nope"),
+])
+def test_bad_settings_name_the_key(bad, key):
+    with pytest.raises(BenchConfigError, match=key.replace(".", r"\.")):
+        BenchSettings.from_config(bad)
+
+
+def test_synthetic_is_seeded_and_within_ranges():
+    s = BenchSettings.from_config({"num_requests": 50, "input_len": 100, "input_len_range": 0.2,
+                                   "output_len": 10, "output_len_range": 0.5, "seed": 4})
+    a, b = build_workload(s), build_workload(s)
+    assert [r.input_ids for r in a] == [r.input_ids for r in b]
+    assert all(80 <= r.input_len <= 120 and 5 <= r.output_len <= 15 for r in a)
+    assert all(32 <= t < 127 for r in a for t in r.input_ids)
+    assert len({r.input_len for r in a}) > 5
+    other = synthetic(BenchSettings.from_config({"seed": 5, "num_requests": 50}))
+    assert [r.input_ids for r in other] != [r.input_ids for r in a]
+
+
+def test_jsonl_dataset(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "hello", "output_len": 3}\n\n{"input_ids": [1, 2]}\n')
+    s = BenchSettings.from_config({"dataset": str(path), "num_requests": 5, "output_len": 7})
+    reqs = build_workload(s)
+    assert [r.output_len for r in reqs] == [3, 7, 3, 7, 3]
+    assert reqs[0].body(s)["text"] == "hello" and reqs[1].body(s)["input_ids"] == [1, 2]
+    path.write_text('{"prompt": "x"}\n{"output_len": 2}\n')
+    with pytest.raises(BenchConfigError, match="d.jsonl:2"):
+        load_jsonl(path, s)
+    with pytest.raises(BenchConfigError, match="no such file"):
+        load_jsonl(tmp_path / "missing.jsonl", s)
+
+
+def test_arrivals():
+    s = BenchSettings.from_config({"request_rate": 10, "arrival": "fixed"})
+    assert arrival_offsets(3, s) == pytest.approx([0.0, 0.1, 0.2])
+    p = BenchSettings.from_config({"request_rate": 10, "arrival": "poisson", "seed": 1})
+    offs = arrival_offsets(4000, p)
+    assert offs == arrival_offsets(4000, p) and offs == sorted(offs)
+    assert offs[-1] / len(offs) == pytest.approx(0.1, rel=0.05)  # mean gap 1/rate
+    assert arrival_offsets(3, BenchSettings()) == [0.0, 0.0, 0.0]
+
+
+def test_itl_splits_multi_token_chunks():
+    r = RequestResult(0, "", 1, 5, start=0.0, token_times=[1.0, 1.0, 1.3, 1.5, 1.5])
+    assert request_itls(r) == pytest.approx([0.0, 0.3, 0.1, 0.1])
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([7], 99) == 7
+
+
+def test_cli_bench_bad_input_exits_2(capsys):
+    assert main(["bench", "http://127.0.0.1:1", "bench.arrival=burst"]) == 2
+    assert "bench.arrival" in capsys.readouterr().err
+    assert main(["bench", "--run-dir", "/nonexistent-run"]) == 2
