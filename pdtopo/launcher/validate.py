@@ -140,6 +140,14 @@ def check_role(role: str, spec: RoleSchema) -> None:
         raise TopologyError(f"{key}.mesh", dict(spec.mesh),
                             "a multi-process instance supports a tp-only mesh")
     chips_per_process(role, spec)
+    for idx, ports in spec.port_overrides.items():  # (was unreachable after a return)
+        if not 0 <= idx < spec.instances:
+            raise TopologyError(f"{key}.port_overrides", idx,
+                                f"instance index must be 0..{spec.instances - 1}")
+        for kind in ports:
+            if kind not in PORT_KINDS:
+                raise TopologyError(f"{key}.port_overrides.{idx}.{kind}", ports[kind],
+                                    f"unknown port kind (known: {', '.join(PORT_KINDS)})")
 
 
 def chips_per_process(role: str, spec: RoleSchema) -> int:
@@ -155,14 +163,6 @@ def chips_per_process(role: str, spec: RoleSchema) -> int:
         raise TopologyError(f"{key}.chips_per_instance", spec.chips_per_instance,
                             f"does not divide into {n} processes (processes_per_instance)")
     return spec.chips_per_instance // n
-    for idx, ports in spec.port_overrides.items():
-        if not 0 <= idx < spec.instances:
-            raise TopologyError(f"{key}.port_overrides", idx,
-                                f"instance index must be 0..{spec.instances - 1}")
-        for kind in ports:
-            if kind not in PORT_KINDS:
-                raise TopologyError(f"{key}.port_overrides.{idx}.{kind}", ports[kind],
-                                    f"unknown port kind (known: {', '.join(PORT_KINDS)})")
 
 
 def check_chip_set(acc: Accelerator, key: str, chips: list[int], host_chips: int | None = None,
