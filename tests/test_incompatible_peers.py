@@ -41,7 +41,9 @@ from tests.e2e_support import REPO_ROOT, pool_state, port_block, wait_healthy
 
 pytestmark = pytest.mark.slow
 
-BASE = ["model.num_layers=2", "disaggregation.kv_timeout_s=20"]
+# small batch and prefill budgets: few shapes to compile at warmup (6 servers start at once)
+BASE = ["model.num_layers=2", "disaggregation.kv_timeout_s=20", "engine.num_pages=64",
+        "engine.max_running_requests=2", "engine.max_prefill_tokens=64"]
 TOKEN = "incompatible-peers-token"
 VARIANTS = {
     "prefill_page": ({"topology.prefill.engine.page_size": 8}, 1),
