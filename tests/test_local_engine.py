@@ -92,60 +92,83 @@ def _wait_baseline(orch, timeout=10.0):
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="module")
+def layouts():
+    """One running orchestrator per decode layout, shared by this module's tests."""
+    made: dict[str, object] = {}
+
+    def get(decode_slices: str):
+        if decode_slices not in made:
+            made[decode_slices] = _local(["topology.prefill_slices=2",
+                                          f"topology.decode_slices={decode_slices}"])
+        return made[decode_slices]
+
+    yield get
+    for orch in made.values():
+        orch.stop()
+        assert not orch.alive
+
+
 @pytest.mark.parametrize("decode_slices", ["[2]", "[1,1]"], ids=["2-2", "2-1-1"])
-def test_greedy_equals_colocated_and_pools_return(reference, decode_slices):
-    orch = _local(["topology.prefill_slices=2", f"topology.decode_slices={decode_slices}"])
-    try:
-        results = _run_all(orch, _prompts())
-        assert [ids for ids, _ in results] == reference
-        assert all(out.finish_reason["type"] == "length" for _, out in results)
-        st = _wait_baseline(orch)
-        n_dec = len(orch.decodes)
-        assert set(st["engines"]) == {"prefill_0", *(f"decode_{i}" for i in range(n_dec))}
-        assert st["local_transfers"] == len(reference)
-        assert st["local_decode_load"] == [0] * n_dec
-        admitted = [st["engines"][f"decode_{i}"]["admitted"] for i in range(n_dec)]
-        assert sum(admitted) == len(reference)
-        if n_dec == 2:
-            assert min(admitted) >= 1  # the least-loaded decode engine gets work
-        # meshes are disjoint device sets of this process
-        devs = [set(e.runner.mesh.devices.flat) for e in orch.engines]
-        assert sum(len(d) for d in devs) == len(set().union(*devs)) == 4
-        # a one-token request finishes on the prefill engine without a transfer
-        ids, out = _run_all(orch, [_prompts()[0]], n=1)[0]
-        assert ids == reference[0][:1] and out.finish_reason["type"] == "length"
-        assert orch.stats()["local_transfers"] == len(reference)
-        _wait_baseline(orch)
-        assert orch.alive
-    finally:
-        orch.stop()
-    assert not orch.alive
+def test_greedy_equals_colocated_and_pools_return(reference, layouts, decode_slices):
+    orch = layouts(decode_slices)
+    base_transfers = orch.stats()["local_transfers"]
+    results = _run_all(orch, _prompts())
+    assert [ids for ids, _ in results] == reference
+    assert all(out.finish_reason["type"] == "length" for _, out in results)
+    st = _wait_baseline(orch)
+    n_dec = len(orch.decodes)
+    assert set(st["engines"]) == {"prefill_0", *(f"decode_{i}" for i in range(n_dec))}
+    assert st["local_transfers"] - base_transfers == len(reference)
+    assert st["local_decode_load"] == [0] * n_dec
+    admitted = [st["engines"][f"decode_{i}"]["admitted"] for i in range(n_dec)]
+    assert sum(admitted) == len(reference)
+    if n_dec == 2:
+        assert min(admitted) >= 1  # the least-loaded decode engine gets work
+    # meshes are disjoint device sets of this process
+    devs = [set(e.runner.mesh.devices.flat) for e in orch.engines]
+    assert sum(len(d) for d in devs) == len(set().union(*devs)) == 4
+    # a one-token request finishes on the prefill engine without a transfer
+    ids, out = _run_all(orch, [_prompts()[0]], n=1)[0]
+    assert ids == reference[0][:1] and out.finish_reason["type"] == "length"
+    assert orch.stats()["local_transfers"] - base_transfers == len(reference)
+    _wait_baseline(orch)
+    assert orch.alive
 
 
-def test_abort_duplicate_and_too_long(reference):
-    orch = _local(["topology.prefill_slices=2", "topology.decode_slices=[1,1]"])
-    try:
-        assert "max_model_len" in orch.check_fits(100, 100)
-        long_req = _req(_prompts()[4], n=80)
-        orch.submit(long_req)
-        first = long_req.sink.get(60)  # the first token comes from prefill
-        assert first.new_token_ids
-        dup = Req(rid=long_req.rid, prompt_ids=[1, 2], sampling=SamplingParams(
-            max_new_tokens=2, temperature=0.0), sink=QueueSink())
-        orch.submit(dup)
-        _, dup_out = dup.sink.collect(30)
-        assert dup_out.finish_reason["status_code"] == 400
-        assert "duplicate" in dup_out.finish_reason["message"]
-        orch.abort(long_req.rid)
-        ids, out = long_req.sink.collect(60)
-        assert out.finish_reason["status_code"] == 499
-        assert len(ids) + len(first.new_token_ids) < 80
-        # the engines keep serving
-        ids, _ = _run_all(orch, [_prompts()[2]])[0]
-        assert ids == reference[2]
-        _wait_baseline(orch)
-    finally:
-        orch.stop()
+def test_backpressure_keeps_outputs_exact(reference, layouts):
+    """12 requests at once into one decode engine (batch cap 4, backlog 2, transfer backlog
+    4): prefill and transfer block, the decode engine holds the backlog head until a slot
+    frees; every output still equals the reference."""
+    orch = layouts("[2]")
+    results = _run_all(orch, _prompts() * 2)
+    assert [ids for ids, _ in results] == reference * 2
+    st = _wait_baseline(orch)
+    assert st["engines"]["decode_0"]["backlog_capacity"] == 2
+    assert st["engines"]["decode_0"]["waits"] >= 1  # the backlog head did wait for room
+
+
+def test_abort_duplicate_and_too_long(reference, layouts):
+    orch = layouts("[1,1]")
+    assert "max_model_len" in orch.check_fits(100, 100)
+    long_req = _req(_prompts()[4], n=80)
+    orch.submit(long_req)
+    first = long_req.sink.get(60)  # the first token comes from prefill
+    assert first.new_token_ids
+    dup = Req(rid=long_req.rid, prompt_ids=[1, 2], sampling=SamplingParams(
+        max_new_tokens=2, temperature=0.0), sink=QueueSink())
+    orch.submit(dup)
+    _, dup_out = dup.sink.collect(30)
+    assert dup_out.finish_reason["status_code"] == 400
+    assert "duplicate" in dup_out.finish_reason["message"]
+    orch.abort(long_req.rid)
+    ids, out = long_req.sink.collect(60)
+    assert out.finish_reason["status_code"] == 499
+    assert len(ids) + len(first.new_token_ids) < 80
+    # the engines keep serving
+    ids, _ = _run_all(orch, [_prompts()[2]])[0]
+    assert ids == reference[2]
+    _wait_baseline(orch)
 
 
 def test_crashed_worker_thread_is_reported_not_silent():

@@ -1,8 +1,8 @@
 """What every engine of a local-disaggregation process shares: `LocalEngineMixin`.
 
-It sits in front of the ordinary `Scheduler` (before the role mixin's own overrides run into
-it) and adds: the engine's name, its thread as a `WorkerThread` (a crash ends the process),
-the fault-injection tick at every batch, the process-wide `RequestBoard` (every finished
+It sits in front of the ordinary `Scheduler` (behind the role mixin) and adds: the engine's
+name, its warmup, its thread as a `WorkerThread` (a crash ends the process), the
+fault-injection tick at every batch, the process-wide `RequestBoard` (every finished
 request is dropped from it) and the process's `stopping` event.
 """
 
@@ -26,6 +26,11 @@ class LocalEngineMixin:
         self.fault = fault
         self.on_crash = on_crash
         self.stopping = stopping
+
+    def warmup_engine(self) -> None:
+        """Compile the runner's step buckets and the sampler (before `start()`)."""
+        self.runner.warmup()
+        self.warmup()
 
     def start(self) -> None:
         self._thread = WorkerThread(self.engine_name, self.event_loop, self.on_crash)

@@ -5,7 +5,8 @@ It takes requests only from its bounded decode backlog (filled by the transfer t
 wakes it with a KV_READY inbox message). Each step, before the engine's own scheduling:
 
     admit            -> head of the backlog (held while it waits, FCFS): aborted by the client
-                        meanwhile -> finish it; else, once the prompt's pages are free (one spare
+                        meanwhile -> finish it; else, once the decode batch has room
+                        (engine.max_running_requests) and the prompt's pages are free (one spare
                         page per running request, as in PD decode), allocate them, scatter the
                         packed KV into them with `insert_kv_chunks` (kernels.impl) and put the
                         request (first token already emitted by prefill) into the running batch
@@ -42,6 +43,14 @@ class LocalDecodeMixin(LocalEngineMixin):
         self.held: TransferItem | None = None  # backlog head waiting for pages
         self._assigned: set[str] = set()       # rids counted in load for this engine
         self.num_admitted = 0
+        self.num_waits = 0                     # backlog heads that had to wait for room
+        self._held_waiting = False
+
+    def warmup_engine(self) -> None:
+        """Decode batches only: the scheduler's warmup compiles a one-token step (and the
+        sampler) at every batch size; prefill-sized steps (recompute after preemption) compile
+        when first needed."""
+        self.warmup()
 
     # ------------------------------------------------------------------ loop
     def step(self) -> None:
@@ -71,14 +80,18 @@ class LocalDecodeMixin(LocalEngineMixin):
             item = self.held
             req = item.req
             if self.board.is_aborted(req.rid):
-                self.held = None
+                self.held, self._held_waiting = None, False
                 self._take(req)
                 self.finish_request(req, FinishReason.abort("aborted by client", 499))
                 continue
             need = self.pages_for(item.prompt_len)
-            if need + len(self.running) > self.allocator.num_free:
-                return  # FCFS: wait for pages
-            self.held = None
+            if (len(self.running) >= self.max_running
+                    or need + len(self.running) > self.allocator.num_free):
+                if not self._held_waiting:
+                    self._held_waiting = True
+                    self.num_waits += 1
+                return  # FCFS: wait for a batch slot and pages
+            self.held, self._held_waiting = None, False
             self._take(req)
             req.page_ids = self.alloc_pages(need)
             self.runner.kv_caches = insert_kv_chunks(self.runner.kv_caches, item.packed,
@@ -100,4 +113,5 @@ class LocalDecodeMixin(LocalEngineMixin):
 
     def local_state(self) -> dict[str, Any]:
         return {"backlog": self.backlog.qsize(), "backlog_capacity": self.backlog.maxsize,
-                "held": self.held is not None, "admitted": self.num_admitted}
+                "held": self.held is not None, "admitted": self.num_admitted,
+                "waits": self.num_waits}

@@ -67,8 +67,7 @@ class LocalOrchestrator:
     def warmup(self) -> None:
         """Compile every engine's step and sampler shapes (before `start()`)."""
         for e in self.engines:
-            e.runner.warmup()
-            e.warmup()
+            e.warmup_engine()
 
     def compile_count(self) -> int:
         return sum(e.runner.compile_count() for e in self.engines)
