@@ -20,8 +20,8 @@ from pdtopo.runtime.settings import direct_process_context
 from tests.conftest import free_port
 
 OVERRIDES = ["model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
-             "engine.max_running_requests=8", "disaggregation.kv_timeout_s=5",
-             "disaggregation.sender_expiry_s=5"]
+             "engine.max_running_requests=8", "disaggregation.kv_timeout_s=15",
+             "disaggregation.sender_expiry_s=15"]
 
 
 def _ctx(cfg, role):
@@ -103,7 +103,8 @@ def test_concurrent_rooms_and_pools_return_to_baseline(cluster):
     results = [None] * len(prompts)
 
     def run(i):
-        results[i] = _pd_generate(cluster, prompts[i], 6, room=2000 + i)[2]
+        _, _, ids, out = _pd_generate(cluster, prompts[i], 6, room=2000 + i)
+        results[i] = ids if out.finish_reason["type"] == "length" else out.finish_reason
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -133,7 +134,7 @@ def test_decode_fails_cleanly_when_prefill_never_answers(cluster):
     d = cluster["decode"]
     rd = _req([1, 2, 3], 4, 4000, cluster["prefill"])  # P never sees this room
     d.submit(rd)
-    _, out = rd.sink.collect(20)
+    _, out = rd.sink.collect(40)
     assert out.finish_reason["type"] == "abort"
     assert out.finish_reason["status_code"] == 504
     assert "kv_timeout_s" in out.finish_reason["message"]
