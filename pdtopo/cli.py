@@ -38,6 +38,7 @@ def _render(argv: list[str]) -> int:
 
 def _run_dir_verb(verb: str, argv: list[str]) -> int:
     from pdtopo.launcher import operate
+    from pdtopo.launcher.hosts import resolve_host_run
     from pdtopo.launcher.run_dir import resolve_run_dir
 
     parser = argparse.ArgumentParser(prog=f"pdtopo {verb}")
@@ -48,7 +49,7 @@ def _run_dir_verb(verb: str, argv: list[str]) -> int:
         parser.add_argument("-f", "--follow", action="store_true")
     args = parser.parse_args(argv)
     try:
-        run = resolve_run_dir(args.run_dir)
+        run = resolve_host_run(resolve_run_dir(args.run_dir))
     except FileNotFoundError as exc:
         print(f"pdtopo {verb}: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -11,7 +11,8 @@ from pdtopo.launcher.plan import Plan, expand_plan
 
 
 def plan_for(*overrides: str, cpus=None) -> Plan:
-    return expand_plan(compose_config(list(overrides)), run_dir="/runs/r1",
+    # multi-host programs listen on their plan address (server.bind_host=null)
+    return expand_plan(compose_config(["server.bind_host=null", *overrides]), run_dir="/runs/r1",
                        python="/venv/bin/python", cpus=cpus)
 
 
@@ -122,6 +123,8 @@ ERRORS = {
                           "topology.prefill.hosts=[x,x]", "topology.decode.hosts=[x,x]",
                           "topology.bootstrap.host=x", "topology.proxy.host=x"],
                          "topology.hosts", "slice of 4 hosts"),
+    "loopback_bind_multihost": (["topology=1p1d_cpu_2host", "server.bind_host=127.0.0.1"],
+                                "server.bind_host", "set server.bind_host=null"),
     "asymmetric_processes": (["topology=1p1d_cpu_mp", "topology.decode.processes_per_instance=1",
                               "topology.decode.mesh.tp=1"],
                              "topology.decode.processes_per_instance", "N:N KV pairing"),

@@ -24,7 +24,7 @@ from rich.live import Live
 
 from pdtopo.bench.job import bench_job, record_job
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher import display
+from pdtopo.launcher import display, hosts
 from pdtopo.launcher.health import wait_for_programs
 from pdtopo.launcher.plan import Plan, expand_plan
 from pdtopo.launcher.ports import wait_ports_free
@@ -44,9 +44,11 @@ class LaunchOptions:
 
 @dataclass
 class Prepared:
-    plan: Plan
+    plan: Plan  # what this supervisord runs (one host's programs of a multi-host plan)
     conf_text: str
     token: str
+    full_plan: Plan | None = None  # the whole plan (plan.json) when `plan` is one host's part
+    run_dir: Path | None = None    # where supervisord runs: RUN, or RUN/hosts/NAME
 
 
 def host_cpus() -> list[int]:
@@ -65,25 +67,44 @@ def program_settings(cfg: DictConfig) -> ProgramSettings:
 
 def prepare(cfg: DictConfig, run_dir: Path, *, token: str | None = None,
             workdir: Path | None = None, python: str | None = None,
-            cpus: list[int] | None = None) -> Prepared:
+            cpus: list[int] | None = None, host: str | None = None) -> Prepared:
+    """Plan + supervisord.conf for `run_dir`; with `host`, the conf holds that host's programs."""
     run_dir = Path(run_dir)
-    plan = expand_plan(cfg, run_dir=str(run_dir), python=python or sys.executable,
+    full = expand_plan(cfg, run_dir=str(run_dir), python=python or sys.executable,
                        cpus=host_cpus() if cpus is None else cpus)
+    plan = full
+    if host is not None:
+        plan = full.for_host(host)
+        plan.warnings = list(full.warnings)
     token = token or new_token()
     conf = render_supervisord(plan, run_dir=run_dir, token=token,
                               workdir=workdir or Path.cwd(), settings=program_settings(cfg))
-    return Prepared(plan, conf, token)
+    return Prepared(plan, conf, token, full, run_dir)
+
+
+def _host_target(cfg: DictConfig, run_dir: Path) -> tuple[Path, str | None, str | None]:
+    """(supervisord dir, host, shared token) of this launcher: RUN for single-host plans,
+    RUN/hosts/NAME for the host of a multi-host plan (+host=NAME or auto-detected)."""
+    plan = expand_plan(cfg, run_dir=str(run_dir), cpus=[0])
+    names = [str(h.name) for h in OmegaConf.select(cfg, "topology.hosts", default=[]) or []]
+    host = hosts.select_host(plan, hosts.requested_host(cfg), names)
+    if host is None:
+        return run_dir, None, None
+    return hosts.host_dir(run_dir, host), host, hosts.deployment_token(run_dir)
 
 
 def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool,
                        wait_ports_s: float = 0.0,
-                       errors: list[str] | None = None) -> Prepared | None:
+                       errors: list[str] | None = None,
+                       select_host: bool = True) -> Prepared | None:
     con = display.console(stderr=True)
     try:
-        if holds_deployment(run_dir):
-            raise TopologyError("hydra.run.dir", str(run_dir),
+        sv_dir, host, token = _host_target(cfg, run_dir) if select_host else (run_dir, None,
+                                                                              None)
+        if holds_deployment(sv_dir):
+            raise TopologyError("hydra.run.dir", str(sv_dir),
                                 "already holds a deployment; pick a new run dir")
-        prepared = prepare(cfg, run_dir)
+        prepared = prepare(cfg, sv_dir, token=token, host=host)
         for warning in prepared.plan.warnings:
             con.print(f"[bold yellow]WARNING:[/] {warning}", highlight=False)
         if check_ports:
@@ -98,11 +119,23 @@ def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool,
 
 
 def render_job(cfg: DictConfig, run_dir: Path) -> int:
-    prepared = _prepare_or_report(cfg, run_dir, check_ports=False)
+    prepared = _prepare_or_report(cfg, run_dir, check_ports=False, select_host=False)
     if prepared is None:
         return 2
-    write_run_dir(run_dir, cfg, prepared.plan, prepared.conf_text, prepared.token)
     con = display.console()
+    if len(prepared.plan.hosts()) > 1:  # RUN: config + plan + token; RUN/hosts/NAME per host
+        hosts.write_global(run_dir, cfg, prepared.plan, prepared.token)
+        for name in prepared.plan.hosts():
+            part = prepare(cfg, hosts.host_dir(run_dir, name), token=prepared.token, host=name)
+            write_run_dir(hosts.host_dir(run_dir, name), cfg, part.full_plan or part.plan,
+                          part.conf_text, part.token)
+            con.print(f"  {name}: {len(part.plan.processes)} programs in "
+                      f"{hosts.host_dir(run_dir, name)}")
+        con.print(f"rendered [bold]{prepared.plan.topology}[/] "
+                  f"({len(prepared.plan.processes)} programs on "
+                  f"{len(prepared.plan.hosts())} hosts) into {run_dir}")
+        return 0
+    write_run_dir(run_dir, cfg, prepared.plan, prepared.conf_text, prepared.token)
     con.print(f"rendered [bold]{prepared.plan.topology}[/] "
               f"({len(prepared.plan.processes)} programs) into {run_dir}")
     return 0
@@ -134,6 +167,7 @@ def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
         if opts.multirun:
             record_job(run_dir, "invalid", cfg=cfg, error="; ".join(errors), exit_code=2)
         return 2
+    run_dir = prepared.run_dir or run_dir  # RUN/hosts/NAME for one host of a multi-host plan
     try:
         return _launch_prepared(cfg, run_dir, opts, prepared)
     except Exception as exc:
@@ -151,7 +185,7 @@ def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
 def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
                      prepared: Prepared) -> int:
     plan = prepared.plan
-    write_run_dir(run_dir, cfg, plan, prepared.conf_text, prepared.token)
+    write_run_dir(run_dir, cfg, prepared.full_plan or plan, prepared.conf_text, prepared.token)
     con = display.console()
     con.print(f"launching [bold]{plan.topology}[/] from {run_dir}")
     sv = Supervisor(run_dir)

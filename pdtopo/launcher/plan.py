@@ -397,6 +397,7 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
     validate.check_basics(topo, proxy)
     acc = accelerator_spec(topo.accelerator, topo.platform)
     validate.check_hosts(topo, acc)
+    validate.check_bind_host(topo, OmegaConf.select(cfg, "server.bind_host", default=None))
     engine = OmegaConf.to_container(cfg.engine, resolve=True) if "engine" in cfg else {}
     warnings: list[str] = []
     if topo.mode == "pd":

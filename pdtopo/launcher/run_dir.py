@@ -71,15 +71,17 @@ def remove_if_empty(run_dir: Path) -> None:
 def find_latest_run(root: Path | None = None) -> Path | None:
     base = Path.cwd() if root is None else root
     candidates = [*base.glob(f"outputs/*/*/{CONF_FILE}"), *base.glob(f"multirun/*/*/*/{CONF_FILE}")]
+    candidates += [p.parent.parent for p in base.glob(f"outputs/*/*/hosts/*/{CONF_FILE}")]
     if not candidates:
         return None
-    return max(candidates, key=lambda p: p.stat().st_mtime).parent
+    latest = max(candidates, key=lambda p: p.stat().st_mtime)
+    return latest.parent if latest.name == CONF_FILE else latest  # a multi-host run: RUN
 
 
 def resolve_run_dir(arg: str | None) -> Path:
     if arg:
         run = Path(arg).resolve()
-        if not (run / CONF_FILE).is_file():
+        if not (run / CONF_FILE).is_file() and not any(run.glob(f"hosts/*/{CONF_FILE}")):
             raise FileNotFoundError(f"{run} is not a pdtopo run directory (no {CONF_FILE})")
         return run
     latest = find_latest_run()

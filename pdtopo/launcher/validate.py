@@ -92,6 +92,27 @@ def check_hosts(topo: TopologySchema, acc: Accelerator) -> None:
                                 f"a {acc.name} host has {acc.num_chips} chips")
 
 
+def check_bind_host(topo: TopologySchema, bind_host: str | None) -> None:
+    """Programs listening on loopback cannot be reached from another host."""
+    if bind_host is None or not _loopback(str(bind_host)):
+        return
+    remote = [f"{h.name} {h.address}" for h in topo.hosts if not _loopback(str(h.address))]
+    if remote:
+        raise TopologyError("server.bind_host", bind_host,
+                            f"programs would listen on loopback only, but hosts {remote} are "
+                            "reached over the network; set server.bind_host=null (each program "
+                            "listens on its plan address)")
+
+
+def _loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def host_chips(topo: TopologySchema, acc: Accelerator, name: str) -> int:
     for h in topo.hosts:
         if h.name == name:

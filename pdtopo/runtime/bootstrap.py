@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         from pdtopo.runtime.settings import load_process_context
 
         ctx = load_process_context(args.run_dir, args.process)
-        host = str(ctx.cfg.server.bind_host)
+        host = ctx.bind_host
         port = int(ctx.ports.get("http") or ctx.cfg.topology.bootstrap.port)
         token, ttl = ctx.token, float(ctx.cfg.bootstrap.heartbeat_ttl_s)
     else:

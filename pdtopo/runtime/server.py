@@ -56,7 +56,7 @@ def build_context(args: argparse.Namespace) -> ProcessContext:
     from pdtopo.config.compose import compose_config
 
     cfg = compose_config(args.overrides)
-    host = args.host or str(cfg.server.bind_host)
+    host = args.host or str(cfg.server.bind_host or "127.0.0.1")
     return direct_process_context(cfg, port=args.port, host=host)
 
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = start_process(ctx)  # multi-process instance: join its JAX cluster; a follower ends here
     if rc is not None:
         return rc
-    host = str(ctx.address if not args.run_dir else ctx.cfg.server.bind_host)
+    host = ctx.address if not args.run_dir else ctx.bind_host
     port = int(ctx.ports["http"])
     state = ServerState(ctx)
     app = create_app(state)

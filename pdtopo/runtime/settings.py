@@ -62,6 +62,13 @@ class ProcessContext:
     def bootstrap_url(self) -> str | None:
         return self.plan.get("bootstrap_url")
 
+    @property
+    def bind_host(self) -> str:
+        """Where this process's servers listen: `server.bind_host`, or (null) its plan
+        address, so that programs on other hosts of a multi-host topology reach it."""
+        configured = OmegaConf.select(self.cfg, "server.bind_host", default=None)
+        return str(configured) if configured else self.address
+
 
 def role_engine_config(cfg: DictConfig, role: str) -> DictConfig:
     """`cfg` with the non-null values of `topology.<role>.engine` merged into `engine`."""

@@ -310,7 +310,7 @@ class JaxTransferKVManager(BaseKVManager):
         engine = JaxTransferKVEngine.from_context(ctx)
         bind = None
         if ctx.role == "prefill":
-            bind = f"{ctx.cfg.server.bind_host}:{int(ctx.ports['zmq'])}"
+            bind = f"{ctx.bind_host}:{int(ctx.ports['zmq'])}"
         try:
             channel = SideChannel(bind=bind, max_bytes=int(d.side_channel_max_bytes),
                                   name=f"{ctx.name}-side")
