@@ -301,6 +301,9 @@ class JaxTransferKVManager(BaseKVManager):
         self._senders: dict[int, JaxTransferKVSender] = {}
         self._receivers: dict[int, JaxTransferKVReceiver] = {}
         self._early_wants: dict[int, tuple[Peer, float]] = {}   # want before create_sender
+        # failed before create_sender: D gave up before P's request arrived (the router posts
+        # to P and D at once); P's request for that room is refused instead of prefilled
+        self._early_failures: dict[int, tuple[m.Failed, float]] = {}
         self._tombstones: dict[int, tuple[m.Failed | None, float]] = {}
 
     @classmethod
@@ -332,6 +335,12 @@ class JaxTransferKVManager(BaseKVManager):
         room = self._check_room(room)
         if room in self._senders:
             raise KVTransferError(f"room {room} already has a sender")
+        early_failure = self._early_failures.pop(room, None)
+        if early_failure is not None:
+            self._early_wants.pop(room, None)
+            raise KVTransferError(f"room {room}: the decode server already failed this "
+                                  f"request: {early_failure[0].reason}",
+                                  status=early_failure[0].status or 502)
         s = JaxTransferKVSender(self, room)
         self._senders[room] = s
         early = self._early_wants.pop(room, None)
@@ -369,7 +378,7 @@ class JaxTransferKVManager(BaseKVManager):
         now_wall, now = time.time(), time.monotonic()
         for r in list(self._receivers.values()):
             r._progress(now)
-        for table in (self._early_wants, self._tombstones):
+        for table in (self._early_wants, self._early_failures, self._tombstones):
             for room in [k for k, v in table.items() if v[1] <= now_wall]:
                 del table[room]
                 if room not in self._senders and room not in self._receivers:
@@ -399,6 +408,8 @@ class JaxTransferKVManager(BaseKVManager):
             target = self._receivers.get(msg.room) or self._senders.get(msg.room)
             if target is not None:
                 target._on_failed(msg)
+            elif msg.room not in self._tombstones:
+                self._early_failures[msg.room] = (msg, time.time() + self.sender_expiry_s)
         else:
             log.warning("unexpected side-channel event %r", ev)
 

@@ -1,0 +1,156 @@
+"""Multi-process P and D instances end to end (real processes, CPU backend with gloo).
+
+One deployment for the module: bootstrap server, sglang-router, a prefill instance of 2
+processes and a decode instance of 2 processes (one JAX cluster each, one emulated device per
+process, mesh tp=2 across the processes; D process r pulls its KV shards from P process r).
+Greedy outputs through the router must equal a colocated server's, token for token, for
+prompts spanning several pages. Then a second, single-process D instance with the same
+mesh size is added: P(2 processes) x D(1 process) must be refused with a clear error, quickly.
+The plan is written by hand (tests/multiprocess_support.py) following the launcher's contract.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import pytest
+
+from tests.e2e_support import ColocatedServer, generate, port_block
+from tests.multiprocess_support import (
+    TOKEN,
+    Processes,
+    add_single_process,
+    render,
+    split_instance,
+    write_plan,
+)
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = ["model.num_layers=2", "engine.page_size=4", "engine.num_pages=128",
+             "engine.max_running_requests=4", "engine.max_prefill_tokens=128",
+             "engine.max_model_len=256"]
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a",
+    "A long prompt that spans many KV pages of four tokens each, so that every prefill "
+    "process gathers its shards of scattered pages and every decode process scatters them: ",
+]
+GREEDY = {"max_new_tokens": 10, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    run = tmp_path_factory.mktemp("mp_run")
+    plan = render(run, OVERRIDES, port_block(40))
+    split_instance(plan, "prefill_0", 2)
+    split_instance(plan, "decode_0", 2)
+    write_plan(run, plan)
+    procs = Processes(run, plan)
+    try:
+        procs.bring_up()
+        yield procs
+    finally:
+        procs.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    log = tmp_path_factory.mktemp("mp_colocated") / "server.log"
+    server = ColocatedServer(port_block(1), OVERRIDES, log_path=log)
+    try:
+        server.start()
+        yield {p: generate(server.url, {"text": p, "sampling_params": GREEDY})["output_ids"]
+               for p in PROMPTS}
+    except Exception:
+        raise RuntimeError(f"colocated server failed:\n{log.read_text()[-4000:]}") from None
+    finally:
+        server.stop()
+
+
+def _state(procs: Processes, name: str) -> dict:
+    e = procs.entry(name)
+    return httpx.get(f"http://{e['address']}:{e['ports']['http']}/pdtopo/state",
+                     timeout=10).json()
+
+
+def test_every_rank_registered(deployment):
+    boot = deployment.plan["bootstrap_url"]
+    entries = httpx.get(f"{boot}/list", headers={"Authorization": f"Bearer {TOKEN}"},
+                        timeout=10).json()
+    by_role: dict[str, dict[int, dict]] = {}
+    for e in entries:
+        by_role.setdefault(e["role"], {})[e["tp_rank"]] = e
+    for role in ("prefill", "decode"):
+        ranks = by_role[role]
+        assert sorted(ranks) == [0, 1], ranks
+        assert ranks[0]["instance_id"] == ranks[1]["instance_id"] == f"{role}_0"
+        assert ranks[0]["transfer_addr"] != ranks[1]["transfer_addr"]
+        assert ranks[0]["kv_layout"]["num_processes"] == 2
+        assert ranks[0]["kv_layout"]["tp"] == 2
+
+
+def test_greedy_matches_colocated(deployment, reference):
+    url = deployment.plan["proxy_url"]
+    for prompt in PROMPTS:  # one at a time, then all at once (one batch, several rooms)
+        out = generate(url, {"text": prompt, "sampling_params": GREEDY})
+        assert out["output_ids"] == reference[prompt], prompt
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outs = list(pool.map(
+            lambda p: generate(url, {"text": p, "sampling_params": GREEDY}), PROMPTS))
+    assert [o["output_ids"] for o in outs] == [reference[p] for p in PROMPTS]
+
+
+def test_followers_ran_in_lockstep_and_released(deployment, reference):
+    url = deployment.plan["proxy_url"]
+    generate(url, {"text": PROMPTS[-1], "sampling_params": GREEDY})
+    deadline = time.monotonic() + 10
+    while True:
+        p_lead, p_fol = _state(deployment, "prefill_0"), _state(deployment, "prefill_0_p1")
+        d_lead, d_fol = _state(deployment, "decode_0"), _state(deployment, "decode_0_p1")
+        idle = (p_lead["pd_registered_kv"] == 0 and p_fol["pd_registered_kv"] == 0
+                and d_fol["pd_pulls"] == 0 and d_lead["free_pages"] == d_lead["total_pages"])
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, (p_lead, p_fol, d_lead, d_fol)
+    # every forward of a leader ran on its follower too (warmup included)
+    assert p_fol["num_forward"] >= p_lead["num_forward"] > 0
+    assert d_fol["num_forward"] >= d_lead["num_forward"] > 0
+    assert p_lead["free_pages"] == p_lead["total_pages"]
+
+
+def test_asymmetric_pairing_is_refused(deployment, reference):
+    """P spans 2 processes; a second D instance is 1 process with the same tp=2 mesh. That D
+    must refuse the pair (its one process would get only P process 0's shards), fail the
+    request with a clear error quickly (no hang), and P must release what it registered.
+    The request goes to P and D directly, with the fields the router would inject."""
+    procs = deployment
+    d1 = add_single_process(procs.plan, "decode_0", "decode_1", devices=2)
+    write_plan(procs.run_dir, procs.plan)
+    procs.start(["decode_1"])
+    procs.wait_healthy(["decode_1"])
+    p0 = procs.entry("prefill_0")
+    body = {"text": PROMPTS[3], "sampling_params": GREEDY, "bootstrap_host": p0["address"],
+            "bootstrap_port": p0["ports"]["zmq"], "bootstrap_room": 987654321}
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(2) as pool:
+        to_p = pool.submit(httpx.post, f"http://{p0['address']}:{p0['ports']['http']}/generate",
+                           json=body, timeout=60)
+        to_d = pool.submit(httpx.post, f"http://{d1['address']}:{d1['ports']['http']}/generate",
+                           json=body, timeout=60)
+        d_resp = to_d.result()
+        to_p.result()
+    elapsed = time.monotonic() - t0
+    assert d_resp.status_code >= 400, d_resp.text
+    assert "kv_layout.num_processes: this server has 1, peer has 2" in d_resp.text, d_resp.text
+    assert elapsed < 20, f"refusal took {elapsed:.1f}s"
+    deadline = time.monotonic() + 10
+    while _state(procs, "prefill_0")["pd_registered_kv"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _state(procs, "prefill_0")["pd_registered_kv"] == 0
+    assert _state(procs, "prefill_0_p1")["pd_registered_kv"] == 0
+    assert _state(procs, "decode_1")["free_pages"] == _state(procs, "decode_1")["total_pages"]
