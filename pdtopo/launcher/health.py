@@ -3,11 +3,13 @@
 `wait_for_programs` walks the plan in start order; each program gets `timeout_s` from the
 moment the programs before it are healthy. It polls supervisord's process states (a FATAL
 program fails the wait at once) and the health URLs, calling `on_update(rows)` after every
-poll so the caller can draw progress. Returns a `WaitResult`.
+poll so the caller can draw progress. The proxy counts as healthy only once the router has
+registered every P and D worker (`router_workers_ready`). Returns a `WaitResult`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +27,29 @@ def probe(url: str, timeout: float = 2.0) -> bool:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def router_workers_ready(base_url: str, expected: int, timeout: float = 2.0) -> bool:
+    """True once sglang-router lists `expected` healthy workers. The Rust router answers
+    /health before it has registered its workers (it adds them in the background, with
+    back-off), so its /health alone does not mean requests can reach every P and D. A router
+    without a worker registry (MiniLB: no /workers) is ready when its /health is."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/workers", timeout=timeout) as resp:
+            body = json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError:
+        return True  # no worker registry
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    workers = body.get("workers", []) if isinstance(body, dict) else []
+    healthy = [w for w in workers if isinstance(w, dict) and w.get("is_healthy", True)]
+    return len(healthy) >= expected
+
+
+def proxy_worker_count(plan: Plan) -> int:
+    """P and D HTTP endpoints the proxy is given: one per instance (the leaders)."""
+    return sum(1 for p in plan.processes
+               if p.role in ("prefill", "decode") and getattr(p, "leader", True) is not False)
 
 
 @dataclass
@@ -47,7 +72,9 @@ class WaitResult:
 def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, int]]],
                       timeout_s: float, on_update: Callable[[list[Row]], None] | None = None,
                       poll_s: float = 0.5, probe_fn: Callable[[str], bool] = probe,
-                      clock: Callable[[], float] = time.monotonic) -> WaitResult:
+                      clock: Callable[[], float] = time.monotonic,
+                      workers_fn: Callable[[str, int], bool] | None = router_workers_ready,
+                      ) -> WaitResult:
     order = plan.start_order()
     rows = {p.name: Row(p.name) for p in order}
     current, started = 0, clock()
@@ -64,6 +91,9 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
                                   f"{proc.name} is {row.state} (it exited during start-up)")
             if not row.healthy and row.state == "RUNNING":
                 row.healthy = probe_fn(proc.health_url)
+                if row.healthy and proc.role == "proxy" and workers_fn is not None:
+                    base = proc.health_url.rsplit("/", 1)[0]
+                    row.healthy = workers_fn(base, proxy_worker_count(plan))
         while current < len(order) and rows[order[current].name].healthy:
             current, started = current + 1, now
         if current < len(order):
