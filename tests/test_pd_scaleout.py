@@ -1,0 +1,109 @@
+"""PD scale-out with real processes: 2P2D behind the Rust router under 32 concurrent requests,
+and a tensor-parallel 1P1D (2 emulated devices per instance, KV sharded over kv heads). Both
+must produce exactly the colocated server's greedy tokens; all four 2P2D servers must serve."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.e2e_support import (
+    ColocatedServer,
+    Deployment,
+    deployment_overrides,
+    generate,
+    pool_state,
+    port_block,
+    processes_of_run,
+)
+
+pytestmark = pytest.mark.slow
+
+MODEL = ["model.num_layers=2"]
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+PROMPTS = [f"Request number {i}: " + "tell me a story about paged attention " * (i % 4)
+           for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    log = tmp_path_factory.mktemp("colocated") / "server.log"
+    server = ColocatedServer(port_block(1), MODEL, log_path=log)
+    try:
+        server.start()
+        yield {p: generate(server.url, {"text": p, "sampling_params": GREEDY})["output_ids"]
+               for p in PROMPTS}
+    finally:
+        server.stop()
+
+
+def _launch(tmp_path_factory, name, extra):
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    return Deployment(run_dir, [*MODEL, *extra, *deployment_overrides(port_block(40))]).launch()
+
+
+def _teardown(dep):
+    dep.stop()
+    time.sleep(0.5)
+    assert processes_of_run(dep.run_dir) == []
+
+
+def _counter(url, name):
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if re.match(rf"^{re.escape(name)}(\{{.*\}})? ", line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _assert_baseline(dep):
+    deadline = time.monotonic() + 10
+    while True:
+        states = {n: pool_state(dep.url(n)) for n in dep.names("prefill") + dep.names("decode")}
+        ok = all(s["free_pages"] == s["total_pages"] and s["num_reqs"] == 0
+                 and s.get("pd_registered_kv", 0) == 0 for s in states.values())
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert ok, states
+
+
+def test_2p2d_32_concurrent_requests(tmp_path_factory, reference):
+    dep = _launch(tmp_path_factory, "2p2d", ["topology=2p2d_cpu"])
+    try:
+        assert len(dep.names("prefill")) == 2 and len(dep.names("decode")) == 2
+        with cf.ThreadPoolExecutor(32) as ex:
+            outs = list(ex.map(
+                lambda p: generate(dep.proxy_url, {"text": p, "sampling_params": GREEDY}, 300),
+                PROMPTS))
+        assert [o["output_ids"] for o in outs] == [reference[p] for p in PROMPTS]
+        for name in dep.names("prefill"):
+            assert _counter(dep.url(name), "sglang:prompt_tokens_total") > 0, name
+        for name in dep.names("decode"):
+            assert _counter(dep.url(name), "sglang:generation_tokens_total") > 0, name
+        _assert_baseline(dep)
+    finally:
+        _teardown(dep)
+
+
+def test_tensor_parallel_1p1d_matches_colocated(tmp_path_factory, reference):
+    tp = ["topology.accelerator=cpu-4"] + [
+        f"topology.{role}.{key}" for role in ("prefill", "decode")
+        for key in ("chips_per_instance=2", "mesh.tp=2")]
+    dep = _launch(tmp_path_factory, "tp2", tp)
+    try:
+        assert dep.process("prefill_0")["chips"] == [0, 1]
+        assert dep.process("decode_0")["chips"] == [2, 3]
+        for prompt in PROMPTS[:6]:
+            out = generate(dep.proxy_url, {"text": prompt, "sampling_params": GREEDY})
+            assert out["output_ids"] == reference[prompt], prompt
+        info = httpx.get(f"{dep.url('decode_0')}/get_server_info").json()
+        assert info["tp_size"] == 2
+        _assert_baseline(dep)
+    finally:
+        _teardown(dep)
