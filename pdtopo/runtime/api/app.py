@@ -166,7 +166,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.require_engine()
         ids = state.tokenizer.encode("hi")
         sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        h = state.submit(Prepared(ids, sp))
+        h = state.submit(Prepared(ids, sp), health_check=True)  # P/D: local, no peer
         try:
             await asyncio.wait_for(collect([h], None), timeout=60.0)
         except asyncio.TimeoutError:

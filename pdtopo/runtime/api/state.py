@@ -161,11 +161,14 @@ class ServerState:
         return Prepared(prompt_ids, sp)
 
     def submit(self, prep: Prepared, *, rid: str | None = None, bootstrap_host=None,
-               bootstrap_port=None, bootstrap_room=None) -> Handle:
+               bootstrap_port=None, bootstrap_room=None, health_check: bool = False) -> Handle:
+        """`health_check`: a local probe that P and D run without a PD peer."""
         sched = self.require_engine()
         sink = AsyncSink()
         req = Req(rid=rid or new_rid(), prompt_ids=prep.prompt_ids, sampling=prep.sampling,
                   sink=sink, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port,
                   bootstrap_room=bootstrap_room)
+        if health_check:
+            req.extra["health_check"] = True
         sched.submit(req)
         return Handle(req=req, sink=sink, state=self)

@@ -14,6 +14,8 @@ and `bootstrap_room`. Per request, on the scheduler thread, never blocking:
                           joins the running decode batch with P's first token as output 0.
     failure            -> P's `failed`, a pull error or no KV within kv_timeout_s: the request
                           ends with a clear error and its pages go back to the pool.
+    health check       -> `/health_generate` (req.extra["health_check"]) prefills locally like a
+                          colocated server: it proves this engine works without needing a P.
 
 Decoding itself is the engine's ordinary continuous batching (pages grow as tokens come).
 """
@@ -70,6 +72,9 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
 
     # ------------------------------------------------------------------ requests
     def handle_new_request(self, req: Req) -> None:
+        if req.extra.get("health_check"):
+            super().handle_new_request(req)  # /health_generate: local prefill + decode, no P
+            return
         if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
             self.finish_request(req, FinishReason.abort(
                 "this is a decode server: requests need bootstrap_host, bootstrap_port and "

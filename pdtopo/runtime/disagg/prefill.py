@@ -14,6 +14,8 @@ A request reaching P carries `bootstrap_room` (and host/port, which name this P)
                             D's failure or the expiry (`disaggregation.sender_expiry_s`) too
     P-side failure       -> rejected, aborted or failed requests abort their sender, which tells
                             D over the side channel so D fails the request at once
+    health check         -> `/health_generate` requests (req.extra["health_check"]) run as
+                            ordinary local requests: no room, no sender
 
 The in-flight senders are owned by the scheduler thread like everything else in the engine.
 """
@@ -67,6 +69,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
 
     # ------------------------------------------------------------------ requests
     def handle_new_request(self, req: Req) -> None:
+        if req.extra.get("health_check"):
+            super().handle_new_request(req)  # /health_generate: a local prefill, no sender
+            return
         if req.bootstrap_room is None:
             self.finish_request(req, FinishReason.abort(
                 "this is a prefill server: requests need bootstrap_host, bootstrap_port and "
@@ -90,6 +95,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
 
     def on_prefill_finished(self, req: Req, next_token: int) -> None:
         sender = self._senders.get(req.rid)
+        if sender is None:  # a health check (no room): an ordinary local request
+            super().on_prefill_finished(req, next_token)
+            return
         prompt_len = len(req.prompt_ids)
         sender.send(req.page_ids[: self.pages_for(prompt_len)], prompt_len=prompt_len,
                     first_token=int(next_token))
