@@ -148,3 +148,42 @@ def test_requests_without_bootstrap_fields_are_rejected(cluster):
         _, out = r.sink.collect(10)
         assert out.finish_reason["status_code"] == 400
         assert "bootstrap_room" in out.finish_reason["message"]
+
+
+def test_decode_admits_no_more_than_max_running(cluster):
+    """With more PD requests than engine.max_running_requests (8), D holds the rest in its
+    prealloc queue instead of overfilling the decode batch, and all still match."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(0, 256) for _ in range(12)] for _ in range(12)]
+    refs = []
+    for prompt in prompts:
+        ref = _req(prompt, 10)
+        cluster["colocated"].submit(ref)
+        refs.append(ref.sink.collect(30)[0])
+    d = cluster["decode"]
+    peak = [0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            st = d.stats()
+            peak[0] = max(peak[0], st["num_running"] + st.get("pd_transfers", 0))
+            stop.wait(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = _pd_generate(cluster, prompts[i], 10, room=5000 + i)[2]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    stop.set()
+    watcher.join()
+    assert results == refs
+    assert 0 < peak[0] <= 8, peak[0]
+    _baseline(d)

@@ -112,6 +112,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 p.receiver.abort(detail, status=500)
                 self._fail(p, KVTransferError(detail, status=500))
                 continue
+            if len(self.running) + len(self.transfer_queue) >= self.max_running:
+                break  # the decode batch (with the transfers that will join it) is full
             need = self.pages_for(len(p.req.prompt_ids))
             if need + len(self.running) > self.allocator.num_free:
                 break  # FCFS: wait for pages (one spare page per running request)
