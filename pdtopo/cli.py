@@ -1,7 +1,8 @@
 """`pdtopo` command line: dispatch on the verb, hand config-composing verbs to Hydra.
 
   pdtopo launch [--detach] <hydra overrides> [-m]   bring a deployment up (see launcher/launch.py)
-  pdtopo render <hydra overrides>                   write the run dir only (dry run)
+  pdtopo render [--format k8s] <hydra overrides>    write the run dir only (dry run); k8s:
+                                                    also RUN/k8s/ (GKE manifests)
   pdtopo status [RUN_DIR] | stop [RUN_DIR]          operate on a run (latest by default)
   pdtopo logs PROGRAM [RUN_DIR] [-f]
   pdtopo diff [--format rich|markdown] <overrides A> -- <overrides B>
@@ -31,9 +32,24 @@ def _launch(argv: list[str]) -> int:
 
 def _render(argv: list[str]) -> int:
     from pdtopo.launcher.hydra_app import run_app
+    from pdtopo.launcher.k8s_job import FORMATS, render_k8s_job
     from pdtopo.launcher.launch import render_job
 
-    return run_app("render", argv, lambda cfg, run, multi: render_job(cfg, run))
+    fmt, rest, i = "supervisord", [], 0
+    while i < len(argv):  # --format k8s | --format=k8s (before Hydra sees the arguments)
+        if argv[i] == "--format" or argv[i].startswith("--format="):
+            fmt = argv[i + 1] if argv[i] == "--format" and i + 1 < len(argv) else \
+                argv[i].partition("=")[2]
+            i += 2 if argv[i] == "--format" else 1
+            continue
+        rest.append(argv[i])
+        i += 1
+    if fmt not in FORMATS:
+        print(f"pdtopo render: --format must be one of {', '.join(FORMATS)}, got {fmt!r}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    job = render_k8s_job if fmt == "k8s" else render_job
+    return run_app("render", rest, lambda cfg, run, multi: job(cfg, run))
 
 
 def _run_dir_verb(verb: str, argv: list[str]) -> int:

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pdtopo.runtime.bootstrap")
     parser.add_argument("--run-dir", help="launcher run directory (config.yaml, plan.json)")
     parser.add_argument("--process", default="bootstrap", help="this program's plan entry")
-    parser.add_argument("--host", default="127.0.0.1", help="direct form: bind address")
+    parser.add_argument("--host", default=None, help="bind address (direct form: default "
+                        "127.0.0.1; with --run-dir: default the plan's, e.g. 0.0.0.0 in a pod)")
     parser.add_argument("--port", type=int, help="direct form: port")
     parser.add_argument("--token", help="direct form: deployment token")
     parser.add_argument("--ttl", type=float, default=15.0, help="direct form: heartbeat TTL (s)")
@@ -134,13 +135,13 @@ def main(argv: list[str] | None = None) -> None:
         from pdtopo.runtime.settings import load_process_context
 
         ctx = load_process_context(args.run_dir, args.process)
-        host = ctx.bind_host
+        host = args.host or ctx.bind_host
         port = int(ctx.ports.get("http") or ctx.cfg.topology.bootstrap.port)
         token, ttl = ctx.token, float(ctx.cfg.bootstrap.heartbeat_ttl_s)
     else:
         if args.port is None:
             parser.error("give --run-dir, or --port (and --token) for the direct form")
-        host, port, token, ttl = args.host, args.port, args.token, args.ttl
+        host, port, token, ttl = args.host or "127.0.0.1", args.port, args.token, args.ttl
     if not token:
         parser.error("no deployment token: set PDTOPO_DEPLOYMENT_TOKEN or pass --token")
     log.info("bootstrap server on http://%s:%d (ttl %.1fs)", host, port, ttl)
