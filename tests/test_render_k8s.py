@@ -16,6 +16,7 @@ import yaml
 
 from pdtopo.cli import main
 from pdtopo.launcher.k8s_plan import GROUP_VAR, WORKER_VAR, pod_name
+from pdtopo.launcher.render_k8s import config_hash, to_yaml
 from pdtopo.runtime.settings import TOKEN_ENV, load_process_context
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "k8s"
@@ -94,8 +95,20 @@ def test_k8s_manifests_golden(tmp_path, topology):
         gdir.mkdir(parents=True, exist_ok=True)
         for old in gdir.iterdir():
             old.unlink()
+    config = (run / "config.yaml").read_text()
+    assert "bind_host: null" in config  # pods listen on their own plan address
+    cm = next(p for p in (run / "k8s").iterdir() if "-configmap-" in p.name)
+    digest = config_hash(config, yaml.safe_load(cm.read_text())["data"]["plan.json"])
     for name in names:
         text = (run / "k8s" / name).read_text().replace(token, "TOKEN")
+        obj = yaml.safe_load(text)
+        if obj["kind"] == "ConfigMap":  # the composed config: RUN/config.yaml, not golden (it
+            assert obj["data"]["config.yaml"] == config  # changes with every new config key)
+            obj["data"]["config.yaml"] = "CONFIG"
+            text = to_yaml(obj)
+        text = text.replace(digest, "CONFIG_SHA256")
+        if obj["kind"] in ("Deployment", "LeaderWorkerSet"):
+            assert "pdtopo.io/config-sha256: CONFIG_SHA256" in text  # pods roll on a new config
         if REGEN:
             (gdir / name).write_text(text)
         assert text == (gdir / name).read_text(), f"{gdir / name} differs (PDTOPO_REGEN_GOLDEN=1)"
