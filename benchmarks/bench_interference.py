@@ -77,6 +77,8 @@ def startup_times(tmp: Path, common: list[str]) -> dict[str, tuple[float, float]
              *deployment_overrides(port_block(40))])
         dep.stop()
         out[kind] = (healthy, serving)
+        print(f"1p1d_cpu {kind} start: launch->healthy {healthy:.1f} s, "
+              f"launch->serving {serving:.1f} s", flush=True)
     return out
 
 
@@ -100,7 +102,8 @@ def main() -> None:
     ap.add_argument("--skip-startup", action="store_true", help="skip cold/warm start timing")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every deployment")
     args = ap.parse_args()
-    common = ["engine.max_model_len=1024", "engine.max_prefill_tokens=1024", *args.overrides]
+    common = ["engine.max_model_len=1024", "engine.max_prefill_tokens=1024",
+              "launcher.health_timeout_s=900", *args.overrides]
     topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
 
     with tempfile.TemporaryDirectory(prefix="pdtopo-interf-") as tmp_s:

@@ -81,3 +81,15 @@ def test_cli_bench_bad_input_exits_2(capsys):
     assert main(["bench", "http://127.0.0.1:1", "bench.arrival=burst"]) == 2
     assert "bench.arrival" in capsys.readouterr().err
     assert main(["bench", "--run-dir", "/nonexistent-run"]) == 2
+
+
+def test_summary_per_tag():
+    from pdtopo.bench.settings import Slo
+    from pdtopo.bench.stats import summarize
+
+    rs = [RequestResult(i, "long" if i % 2 else "decode", 4, 2, start=0.0, end=1.0,
+                        token_times=[0.1 * (i + 1), 0.5]) for i in range(4)]
+    st = summarize(rs, 1.0, Slo(None, None))
+    assert set(st["by_tag"]) == {"decode", "long"}
+    assert st["by_tag"]["long"]["ttft_ms"]["p50"] == pytest.approx(300.0)
+    assert "by_tag" not in st["by_tag"]["long"]

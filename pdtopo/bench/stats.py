@@ -76,7 +76,8 @@ def good(r: RequestResult, slo: Slo) -> bool:
     return not (slo.itl_ms is not None and itls and percentile(itls, 99) * 1e3 > slo.itl_ms)
 
 
-def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> dict:
+def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo,
+              by_tag: bool = True) -> dict:
     done = [r for r in results if r.ok]
     errors = Counter(r.error for r in results if not r.ok)
     in_tokens = sum((r.prompt_tokens if r.prompt_tokens is not None else r.input_len or 0)
@@ -109,9 +110,9 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> 
                     "slo": {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms}},
     }
     tags = sorted({r.tag for r in results if r.tag})
-    if tags:
-        out["by_tag"] = {t: summarize([r for r in results if r.tag == t], duration_s, slo)
-                         for t in tags}
+    if tags and by_tag:
+        out["by_tag"] = {t: summarize([r for r in results if r.tag == t], duration_s, slo,
+                                      by_tag=False) for t in tags}
     return _finite(out)
 
 
