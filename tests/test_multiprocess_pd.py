@@ -1,12 +1,12 @@
 """Multi-process P and D instances end to end (real processes, CPU backend with gloo).
 
-One deployment for the module: bootstrap server, sglang-router, a prefill instance of 2
-processes and a decode instance of 2 processes (one JAX cluster each, one emulated device per
-process, mesh tp=2 across the processes; D process r pulls its KV shards from P process r).
-Greedy outputs through the router must equal a colocated server's, token for token, for
-prompts spanning several pages. Then a second, single-process D instance with the same
-mesh size is added: P(2 processes) x D(1 process) must be refused with a clear error, quickly.
-The plan is written by hand (tests/multiprocess_support.py) following the launcher's contract.
+One deployment for the module, launched by `pdtopo launch --detach topology=1p1d_cpu_mp`:
+bootstrap server, sglang-router, a prefill instance of 2 processes and a decode instance of 2
+processes (one JAX cluster each, one emulated device per process, mesh tp=2 across the
+processes; D process r pulls its KV shards from P process r). Greedy outputs through the router
+must equal a colocated server's, token for token, for prompts spanning several pages. Then a
+single-process D with the same tp=2 mesh joins (started by hand: the launcher refuses that
+layout): the P(2 processes) x D(1 process) pair must be refused with a clear error, quickly.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import time
 import httpx
 import pytest
 
-from tests.e2e_support import ColocatedServer, generate, port_block
-from tests.multiprocess_support import (
-    TOKEN,
-    Processes,
-    add_single_process,
-    render,
-    split_instance,
-    write_plan,
+from tests.e2e_support import (
+    ColocatedServer,
+    Deployment,
+    deployment_overrides,
+    generate,
+    port_block,
+    processes_of_run,
 )
+from tests.multiprocess_support import ExtraProcesses, single_process_entry
 
 pytestmark = pytest.mark.slow
 
@@ -44,17 +44,18 @@ GREEDY = {"max_new_tokens": 10, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    run = tmp_path_factory.mktemp("mp_run")
-    plan = render(run, OVERRIDES, port_block(40))
-    split_instance(plan, "prefill_0", 2)
-    split_instance(plan, "decode_0", 2)
-    write_plan(run, plan)
-    procs = Processes(run, plan)
+    run = tmp_path_factory.mktemp("mp_run") / "run"
+    base = port_block(60)
+    overrides = ["topology=1p1d_cpu_mp", *OVERRIDES, *deployment_overrides(base),
+                 f"topology.ports.coordinator_base={base + 40}",
+                 f"topology.ports.control_base={base + 50}"]
+    dep = Deployment(run, overrides)
     try:
-        procs.bring_up()
-        yield procs
+        dep.launch()
+        yield dep
     finally:
-        procs.stop()
+        dep.stop()
+        assert not processes_of_run(run), "processes of the run outlived pdtopo stop"
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +72,14 @@ def reference(tmp_path_factory):
         server.stop()
 
 
-def _state(procs: Processes, name: str) -> dict:
-    e = procs.entry(name)
-    return httpx.get(f"http://{e['address']}:{e['ports']['http']}/pdtopo/state",
-                     timeout=10).json()
+def _state(url: str) -> dict:
+    return httpx.get(f"{url}/pdtopo/state", timeout=10).json()
 
 
 def test_every_rank_registered(deployment):
     boot = deployment.plan["bootstrap_url"]
-    entries = httpx.get(f"{boot}/list", headers={"Authorization": f"Bearer {TOKEN}"},
+    token = (deployment.run_dir / "token").read_text().strip()
+    entries = httpx.get(f"{boot}/list", headers={"Authorization": f"Bearer {token}"},
                         timeout=10).json()
     by_role: dict[str, dict[int, dict]] = {}
     for e in entries:
@@ -109,8 +109,8 @@ def test_followers_ran_in_lockstep_and_released(deployment, reference):
     generate(url, {"text": PROMPTS[-1], "sampling_params": GREEDY})
     deadline = time.monotonic() + 10
     while True:
-        p_lead, p_fol = _state(deployment, "prefill_0"), _state(deployment, "prefill_0_p1")
-        d_lead, d_fol = _state(deployment, "decode_0"), _state(deployment, "decode_0_p1")
+        p_lead, p_fol = (_state(deployment.url(n)) for n in ("prefill_0_p0", "prefill_0_p1"))
+        d_lead, d_fol = (_state(deployment.url(n)) for n in ("decode_0_p0", "decode_0_p1"))
         idle = (p_lead["pd_registered_kv"] == 0 and p_fol["pd_registered_kv"] == 0
                 and d_fol["pd_pulls"] == 0 and d_lead["free_pages"] == d_lead["total_pages"])
         if idle or time.monotonic() > deadline:
@@ -123,34 +123,38 @@ def test_followers_ran_in_lockstep_and_released(deployment, reference):
     assert p_lead["free_pages"] == p_lead["total_pages"]
 
 
-def test_asymmetric_pairing_is_refused(deployment, reference):
+def test_asymmetric_pairing_is_refused(deployment, reference, tmp_path):
     """P spans 2 processes; a second D instance is 1 process with the same tp=2 mesh. That D
     must refuse the pair (its one process would get only P process 0's shards), fail the
     request with a clear error quickly (no hang), and P must release what it registered.
     The request goes to P and D directly, with the fields the router would inject."""
-    procs = deployment
-    d1 = add_single_process(procs.plan, "decode_0", "decode_1", devices=2)
-    write_plan(procs.run_dir, procs.plan)
-    procs.start(["decode_1"])
-    procs.wait_healthy(["decode_1"])
-    p0 = procs.entry("prefill_0")
-    body = {"text": PROMPTS[3], "sampling_params": GREEDY, "bootstrap_host": p0["address"],
-            "bootstrap_port": p0["ports"]["zmq"], "bootstrap_room": 987654321}
-    t0 = time.monotonic()
-    with cf.ThreadPoolExecutor(2) as pool:
-        to_p = pool.submit(httpx.post, f"http://{p0['address']}:{p0['ports']['http']}/generate",
-                           json=body, timeout=60)
-        to_d = pool.submit(httpx.post, f"http://{d1['address']}:{d1['ports']['http']}/generate",
-                           json=body, timeout=60)
-        d_resp = to_d.result()
-        to_p.result()
-    elapsed = time.monotonic() - t0
-    assert d_resp.status_code >= 400, d_resp.text
-    assert "kv_layout.num_processes: this server has 1, peer has 2" in d_resp.text, d_resp.text
-    assert elapsed < 20, f"refusal took {elapsed:.1f}s"
-    deadline = time.monotonic() + 10
-    while _state(procs, "prefill_0")["pd_registered_kv"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _state(procs, "prefill_0")["pd_registered_kv"] == 0
-    assert _state(procs, "prefill_0_p1")["pd_registered_kv"] == 0
-    assert _state(procs, "decode_1")["free_pages"] == _state(procs, "decode_1")["total_pages"]
+    p0 = deployment.process("prefill_0_p0")
+    entry = single_process_entry(deployment.process("decode_0_p0"), "decode_1", 2, tmp_path)
+    extra = ExtraProcesses(tmp_path, deployment.run_dir, [entry])
+    try:
+        extra.start()
+        body = {"text": PROMPTS[3], "sampling_params": GREEDY, "bootstrap_host": p0["address"],
+                "bootstrap_port": p0["ports"]["zmq"], "bootstrap_room": 987654321}
+        d_url = f"http://{entry['address']}:{entry['ports']['http']}"
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(2) as pool:
+            to_p = pool.submit(httpx.post, f"{deployment.url('prefill_0_p0')}/generate",
+                               json=body, timeout=60)
+            to_d = pool.submit(httpx.post, f"{d_url}/generate", json=body, timeout=60)
+            d_resp = to_d.result()
+            to_p.result()
+        elapsed = time.monotonic() - t0
+        assert d_resp.status_code >= 400, d_resp.text
+        assert "kv_layout.num_processes: this server has 1, peer has 2" in d_resp.text, \
+            d_resp.text
+        assert elapsed < 20, f"refusal took {elapsed:.1f}s"
+        deadline = time.monotonic() + 10
+        while _state(deployment.url("prefill_0_p0"))["pd_registered_kv"] and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _state(deployment.url("prefill_0_p0"))["pd_registered_kv"] == 0
+        assert _state(deployment.url("prefill_0_p1"))["pd_registered_kv"] == 0
+        d1 = _state(d_url)
+        assert d1["free_pages"] == d1["total_pages"]
+    finally:
+        extra.stop()

@@ -38,6 +38,12 @@ log = logging.getLogger("pdtopo.distributed.follower")
 RANK_KEYS = ("tp_rank", "cp_rank", "dp_rank", "pp_rank")
 
 
+def _bind_host(ctx: Any) -> str:
+    """`ProcessContext.bind_host` (server.bind_host, or the plan address when it is null)."""
+    bind = getattr(ctx, "bind_host", None)
+    return str(bind) if bind else str(ctx.cfg.server.bind_host or ctx.address)
+
+
 class PeerRanks:
     """D follower: leader transfer address of a P instance -> the transfer address of the P
     process with this process's rank (cached; lookups run on a pull thread, not the loop)."""
@@ -209,7 +215,7 @@ def run_follower(ctx: Any, spec: ClusterSpec) -> int:
     holder: dict[str, Follower] = {}
     health = None
     if ctx.ports.get("http"):
-        health = HealthServer(str(cfg.server.bind_host), int(ctx.ports["http"]),
+        health = HealthServer(_bind_host(ctx), int(ctx.ports["http"]),
                               lambda: holder["f"].state() if "f" in holder else {})
     stop = threading.Event()
 
