@@ -19,7 +19,8 @@ whose iteration is `step()`:
 Outputs go to each request's sink (`ReqOutput`: new tokens; the finish reason at the end).
 
 Extension points for the PD mixins (override, call super() where it makes sense):
-- `handle_new_request(req)`: a validated request arrives (P/D may route it to their own queues).
+- `handle_new_request(req)`: a validated request arrives (P/D may route it to their own queues);
+  `reject_if_invalid(req)` and `register_request(req)` are its two halves, for mixins to reuse.
 - `on_prefill_finished(req, next_token)`: the prompt's KV is in the pool and the first output
   token is sampled. Default: `process_new_token` then `add_to_running`. P sends KV + token instead.
 - `add_to_running(req)`: put a request whose prompt KV is in pages it owns (`req.page_ids`,
@@ -220,17 +221,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def handle_new_request(self, req: Req) -> None:
+        if self.reject_if_invalid(req):
+            return
+        self.register_request(req)
+        self.waiting.append(req)
+
+    def reject_if_invalid(self, req: Req) -> bool:
+        """Finish `req` with a 400 if it can never be served or reuses a live rid."""
         err = self.check_fits(len(req.prompt_ids), req.sampling.max_new_tokens)
         if err is None and req.rid in self.reqs:
             err = f"duplicate request id rid={req.rid!r}"
         if err is not None:
             self.finish_request(req, FinishReason.abort(err, 400))
-            return
+        return err is not None
+
+    def register_request(self, req: Req) -> None:
+        """Own an admitted request: settle its seed, mark it waiting, index it by rid."""
         if req.sampling.seed is None:
             req.sampling.seed = self.default_seed(req)
         req.status = ReqStatus.WAITING
         self.reqs[req.rid] = req
-        self.waiting.append(req)
 
     def default_seed(self, req: Req) -> int:
         """Seed of a request that gave none: from the PD room when present (P and D agree)."""
@@ -254,6 +264,7 @@ class Scheduler:
         self.metrics.request_finished(reason.get("type", "unknown"))
 
     def free_request(self, req: Req) -> None:
+        """Drop a request from the queues and return its pages to the pool."""
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -330,14 +341,7 @@ class Scheduler:
     def preempt(self, req: Req) -> None:
         """Free a request's pages and requeue it at the front; it is recomputed later."""
         log.info("preempting %s (free pages %d)", req, self.allocator.num_free)
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req.page_ids:
-            self.allocator.free(req.page_ids)
-            req.page_ids = []
-        req.num_computed = 0
+        Scheduler.free_request(self, req)  # the engine's own release, not a mixin's override
         req.num_preemptions += 1
         req.status = ReqStatus.WAITING
         self.num_preemptions += 1

@@ -31,7 +31,7 @@ from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.disagg.common import PENDING_POLL_S, DisaggregationMixinBase
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 from pdtopo.runtime.disagg.peers import PeerDirectory
-from pdtopo.runtime.request import FinishReason, Req, ReqStatus
+from pdtopo.runtime.request import FinishReason, Req
 
 log = logging.getLogger("pdtopo.disagg.decode")
 
@@ -80,11 +80,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 "this is a decode server: requests need bootstrap_host, bootstrap_port and "
                 "bootstrap_room (send them through the PD proxy)", 400))
             return
-        err = self.check_fits(len(req.prompt_ids), req.sampling.max_new_tokens)
-        if err is None and req.rid in self.reqs:
-            err = f"duplicate request id rid={req.rid!r}"
-        if err is not None:
-            self.finish_request(req, FinishReason.abort(err, 400))
+        if self.reject_if_invalid(req):
             return
         addr = f"{req.bootstrap_host}:{int(req.bootstrap_port)}"
         try:
@@ -92,10 +88,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         except (KVTransferError, ValueError) as exc:
             self.finish_request(req, FinishReason.abort(f"bootstrap fields: {exc}", 400))
             return
-        if req.sampling.seed is None:
-            req.sampling.seed = self.default_seed(req)
-        req.status = ReqStatus.WAITING
-        self.reqs[req.rid] = req
+        self.register_request(req)
         pending = PendingTransfer(req, receiver, addr)
         self._pending[req.rid] = pending
         self.prealloc_queue.append(pending)
