@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -17,11 +18,27 @@ import pytest  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def ephemeral_low() -> int:
+    """Lowest port the kernel hands out to outgoing connections (they could steal ours)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, chosen below the kernel's
+    ephemeral range so that no outgoing connection grabs it before the server binds it."""
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(10000, ephemeral_low())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.fixture

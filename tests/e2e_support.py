@@ -16,11 +16,15 @@ from pathlib import Path
 
 import httpx
 
+from tests.conftest import ephemeral_low
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def port_block(n: int, lo: int = 20000, hi: int = 60000) -> int:
-    """A base port such that base..base+n-1 are all free on 127.0.0.1 right now."""
+def port_block(n: int, lo: int = 10000, hi: int | None = None) -> int:
+    """A base port such that base..base+n-1 are all free on 127.0.0.1 right now, below the
+    kernel's ephemeral range (outgoing connections cannot take them meanwhile)."""
+    hi = hi if hi is not None else ephemeral_low()
     for _ in range(200):
         base = random.randrange(lo, hi - n)
         socks = []
