@@ -30,7 +30,7 @@ FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 json_scalar = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
-               | st.floats(allow_nan=False) | st.text(max_size=30))
+               | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30))
 json_value = st.recursive(json_scalar, lambda inner: st.lists(inner, max_size=4)
                           | st.dictionaries(st.text(max_size=10), inner, max_size=4),
                           max_leaves=12)

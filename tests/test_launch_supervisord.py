@@ -98,7 +98,9 @@ def test_launch_status_stop_with_fake_engine(tmp_path, fake_env):
                      *port_overrides(), env=fake_env)
         assert res.returncode == 0, res.stdout + res.stderr
         assert "all programs healthy" in res.stdout
-        endpoints = res.stdout.split("all programs healthy", 1)[1].strip().splitlines()
+        lines = res.stdout.splitlines()
+        healthy_at = next(i for i, line in enumerate(lines) if "all programs healthy" in line)
+        endpoints = [line.strip() for line in lines[healthy_at + 1:] if line.strip()]
         assert endpoints[0].split()[0] == "proxy" and "send requests here" in endpoints[0]
         sv = Supervisor(run)
         infos = {i["name"]: i for i in sv.processes()}
