@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -66,10 +67,16 @@ def _pd_generate(cluster, prompt_ids, n, room, **sp):
     return p_ids, p_out, d_ids, d_out
 
 
-def _baseline(s: Scheduler) -> None:
-    st = s.stats()
-    assert st["free_pages"] == st["total_pages"], st
-    assert st["num_reqs"] == 0, st
+def _baseline(s: Scheduler, timeout: float = 5.0) -> None:
+    """The pool is back at its baseline (stats are published at the end of a step, just
+    after the outputs that a test waits for: poll briefly)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = s.stats()
+        if st["free_pages"] == st["total_pages"] and st["num_reqs"] == 0:
+            return
+        assert time.monotonic() < deadline, st
+        time.sleep(0.01)
 
 
 def test_factory_assembles_mixins(cluster):
@@ -151,8 +158,8 @@ def test_requests_without_bootstrap_fields_are_rejected(cluster):
 
 
 def test_decode_admits_no_more_than_max_running(cluster):
-    """With more PD requests than engine.max_running_requests (8), D holds the rest in its
-    prealloc queue instead of overfilling the decode batch, and all still match."""
+    """With more PD requests than engine.max_running_requests (8), D pulls their KV but holds
+    the extra requests in its ready queue instead of overfilling the decode batch."""
     rng = random.Random(7)
     prompts = [[rng.randrange(0, 256) for _ in range(12)] for _ in range(12)]
     refs = []
@@ -167,7 +174,7 @@ def test_decode_admits_no_more_than_max_running(cluster):
     def watch():
         while not stop.is_set():
             st = d.stats()
-            peak[0] = max(peak[0], st["num_running"] + st.get("pd_transfers", 0))
+            peak[0] = max(peak[0], st["num_running"])
             stop.wait(0.002)
 
     watcher = threading.Thread(target=watch)

@@ -10,8 +10,11 @@ and `bootstrap_room`. Per request, on the scheduler thread, never blocking:
                           free, give them to the receiver (`init`) -> transfer queue
     transfer queue     -> `receiver.poll()`: on P's `ready` the pull runs on the engine's
                           pull_executor; when it completes, poll() scatters the packed pages into
-                          the pool (this thread owns it) and tells P `done`. The request then
-                          joins the running decode batch with P's first token as output 0.
+                          the pool (this thread owns it) and tells P `done` -> ready queue
+    ready queue        -> as soon as the decode batch has room (engine.max_running_requests)
+                          the request joins it with P's first token as output 0. Transfers do
+                          not wait for decode slots, so a slow decode batch never makes KV
+                          time out; they only wait for pages.
     failure            -> P's `failed`, a pull error or no KV within kv_timeout_s: the request
                           ends with a clear error and its pages go back to the pool.
     health check       -> `/health_generate` (req.extra["health_check"]) prefills locally like a
@@ -53,6 +56,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         self.peers = PeerDirectory(lookup, self.registration_info)
         self.prealloc_queue: deque[PendingTransfer] = deque()
         self.transfer_queue: list[PendingTransfer] = []
+        self.ready_queue: deque[PendingTransfer] = deque()  # KV in the pool, awaiting a slot
         self._pending: dict[str, PendingTransfer] = {}
 
     # ------------------------------------------------------------------ loop
@@ -60,6 +64,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         if self._pending:
             self._process_prealloc_queue()
             self._process_transfer_queue()
+            self._process_ready_queue()
         super().step()
 
     def has_work(self) -> bool:
@@ -105,11 +110,10 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 p.receiver.abort(detail, status=500)
                 self._fail(p, KVTransferError(detail, status=500))
                 continue
-            if len(self.running) + len(self.transfer_queue) >= self.max_running:
-                break  # the decode batch (with the transfers that will join it) is full
             need = self.pages_for(len(p.req.prompt_ids))
-            if need + len(self.running) > self.allocator.num_free:
-                break  # FCFS: wait for pages (one spare page per running request)
+            will_decode = len(self.running) + len(self.transfer_queue) + len(self.ready_queue)
+            if need + will_decode > self.allocator.num_free:
+                break  # FCFS: wait for pages (one spare page per request that will decode)
             p.req.page_ids = self.alloc_pages(need)
             p.receiver.init(p.req.page_ids)
             self.prealloc_queue.remove(p)
@@ -120,10 +124,15 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
             state = p.receiver.poll()
             if state == KVPoll.Success:
                 self.transfer_queue.remove(p)
-                self._pending.pop(p.req.rid, None)
-                self._start_decoding(p)
+                self.ready_queue.append(p)
             elif state == KVPoll.Failed:
                 self._fail(p, p.receiver.failure_exception())
+
+    def _process_ready_queue(self) -> None:
+        while self.ready_queue and len(self.running) < self.max_running:
+            p = self.ready_queue.popleft()
+            self._pending.pop(p.req.rid, None)
+            self._start_decoding(p)
 
     def _start_decoding(self, p: PendingTransfer) -> None:
         req, info = p.req, p.receiver.ready_info
@@ -148,13 +157,16 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 self.prealloc_queue.remove(p)
             if p in self.transfer_queue:
                 self.transfer_queue.remove(p)
+            if p in self.ready_queue:
+                self.ready_queue.remove(p)
             if not p.receiver.poll().terminal:
                 p.receiver.abort(reason.get("message", "decode request ended"),
                                  status=reason.get("status_code", 500))
         super().finish_request(req, reason)
 
     def pd_state(self) -> dict[str, Any]:
-        return {"pd_prealloc": len(self.prealloc_queue), "pd_transfers": len(self.transfer_queue)}
+        return {"pd_prealloc": len(self.prealloc_queue), "pd_transfers": len(self.transfer_queue),
+                "pd_ready": len(self.ready_queue)}
 
     def stop(self, timeout: float = 30.0) -> None:
         super().stop(timeout)

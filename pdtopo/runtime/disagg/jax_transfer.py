@@ -24,7 +24,7 @@ D (decode) scheduler, per request with bootstrap_host H, bootstrap_port PORT, bo
         # thread, the pool's owner) scatters the packed pages into runner.kv_caches with
         # scatter_fn (default pdtopo.kernels.insert_kv_chunks), tells P `done` -> Success.
         # recv.ready_info has the first token / logprob / prompt length from P.
-    Failed: P's failure, pull error or timeout, or no KV within kv_timeout_s of init(); the pages are the
+    Failed: P's failure, pull error or timeout, or no KV within kv_timeout_s; the pages are the
         scheduler's to free; recv.failure_exception().status is an HTTP status for the client.
     recv.abort(reason) if D gives up on the request (P is told).
 
@@ -42,7 +42,6 @@ receiver ends. Single-process runners have no mirror and none of this happens.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -172,9 +171,9 @@ class JaxTransferKVReceiver(BaseKVReceiver):
         self.room = room
         self.bootstrap_addr = _check_endpoint(bootstrap_addr, "bootstrap_host:bootstrap_port")
         self._state = KVPollState(KVPoll.Bootstrapping, label=f"receiver room {room}")
-        # The KV timeout runs from init(): time a request spends queued at D for a free
-        # decode slot or pages is queueing, not a transfer that failed to arrive.
-        self.deadline = math.inf
+        # The KV timeout runs from the request's arrival; init() extends it when pages only
+        # came later (time spent waiting for free pages is queueing, not a lost transfer).
+        self.deadline = time.monotonic() + mgr.kv_timeout_s
         self.page_ids: list[int] | None = None
         self.ready_info: m.Ready | None = None
         self._future = None
@@ -185,7 +184,7 @@ class JaxTransferKVReceiver(BaseKVReceiver):
         if self.page_ids is not None:
             raise KVTransferError(f"room {self.room}: init() called twice")
         self.page_ids = [int(i) for i in kv_indices]
-        self.deadline = time.monotonic() + self.mgr.kv_timeout_s
+        self.deadline = max(self.deadline, time.monotonic() + self.mgr.kv_timeout_s)
         if self._state.state.terminal:
             return
         self._state.advance(KVPoll.WaitingForInput)
@@ -265,10 +264,10 @@ class JaxTransferKVReceiver(BaseKVReceiver):
             self._state.advance(KVPoll.Success)
             self.mgr._finish_receiver(self)
         elif now >= self.deadline:
+            what = "no ready from P" if self.ready_info is None else "no free pages at D"
             self._fail(KVTransferError(
                 f"room {self.room}: KV from P at {self.bootstrap_addr} did not arrive within "
-                f"kv_timeout_s={self.mgr.kv_timeout_s:g} (no ready from P)", status=504),
-                notify=True)
+                f"kv_timeout_s={self.mgr.kv_timeout_s:g} ({what})", status=504), notify=True)
 
     def _fail(self, exc: KVTransferError, *, notify: bool) -> None:
         if not self._state.fail(exc):
