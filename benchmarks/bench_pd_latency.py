@@ -1,16 +1,18 @@
-"""PD overhead at concurrency 1: colocated server vs 1P1D through the Rust router.
+"""PD overhead at concurrency 1: a colocated server vs 1P1D through each sglang-router proxy.
 
 One command: `python benchmarks/bench_pd_latency.py [--requests N] [--max-new-tokens M]`.
-It launches a 1p1d_cpu deployment (`pdtopo launch --detach`) and a colocated server with the
-same model and seed, sends the same prompts one at a time as streaming /generate requests to
-both, and prints TTFT and end-to-end latency p50/p99 for each and the PD overhead (PD - colocated).
-Goal: PD TTFT overhead <= 10 ms p50 on the tiny model.
+It starts a colocated server (the baseline, measured in the same run) and then 1p1d_cpu
+deployments behind the Rust router and behind MiniLB (`pdtopo launch --detach`), sends the
+same prompts one at a time, and prints per server:
+- TTFT of a streaming request (first SSE event at the client) and its end-to-end time;
+- the latency of a non-streaming 1-token request (prefill + hand-off + one answer: the
+  time to first token as a non-streaming client sees it);
+then the PD overhead (PD - colocated) at p50 and p99. Goal: PD TTFT overhead <= 10 ms p50.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -33,8 +35,8 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def measure(url: str, prompts: list[str], max_new_tokens: int) -> tuple[list[float], list[float]]:
-    ttfts, e2es = [], []
+def measure(url: str, prompts: list[str], max_new_tokens: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"ttft": [], "e2e": [], "one_token": []}
     with httpx.Client(timeout=120) as client:
         for prompt in prompts:
             body = {"text": prompt, "stream": True,
@@ -46,9 +48,13 @@ def measure(url: str, prompts: list[str], max_new_tokens: int) -> tuple[list[flo
                 for line in resp.iter_lines():
                     if line.startswith("data:") and first is None:
                         first = time.perf_counter() - t0
-            e2es.append(time.perf_counter() - t0)
-            ttfts.append(first if first is not None else e2es[-1])
-    return ttfts, e2es
+            out["e2e"].append(time.perf_counter() - t0)
+            out["ttft"].append(first if first is not None else out["e2e"][-1])
+            one = {"text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+            t0 = time.perf_counter()
+            client.post(f"{url}/generate", json=one).raise_for_status()
+            out["one_token"].append(time.perf_counter() - t0)
+    return out
 
 
 def main() -> None:
@@ -60,37 +66,52 @@ def main() -> None:
 
     prompts = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)
                for i in range(args.requests + args.warmup)]
-    base = port_block(40)
+    results: dict[str, dict[str, list[float]]] = {}
+
+    def run(name: str, url: str) -> None:
+        measure(url, prompts[: args.warmup], args.max_new_tokens)
+        results[name] = measure(url, prompts[args.warmup:], args.max_new_tokens)
+
     with tempfile.TemporaryDirectory(prefix="pdtopo-bench-") as tmp:
-        dep = Deployment(Path(tmp) / "run", deployment_overrides(base))
         colo = ColocatedServer(port_block(1), log_path=Path(tmp) / "colocated.log")
         try:
-            t0 = time.perf_counter()
-            dep.launch()
-            print(f"1p1d_cpu launched and healthy in {time.perf_counter() - t0:.1f}s")
             colo.start()
-            results = {}
-            for name, url in (("colocated", colo.url), ("1P1D rust router", dep.proxy_url)):
-                measure(url, prompts[: args.warmup], args.max_new_tokens)
-                results[name] = measure(url, prompts[args.warmup:], args.max_new_tokens)
+            run("colocated", colo.url)
         finally:
             colo.stop()
-            dep.stop()
+        for proxy in ("rust", "mini_lb"):
+            dep = Deployment(Path(tmp) / f"run-{proxy}",
+                             [f"proxy={proxy}", *deployment_overrides(port_block(40))])
+            try:
+                t0 = time.perf_counter()
+                dep.launch()
+                print(f"1p1d_cpu proxy={proxy} launched and healthy in "
+                      f"{time.perf_counter() - t0:.1f}s")
+                run(f"1P1D {proxy}", dep.proxy_url)
+            finally:
+                dep.stop()
 
-    print(f"\n{args.requests} streaming requests at concurrency 1, "
-          f"{args.max_new_tokens} new tokens each (times in ms)")
-    print(f"{'server':<20}{'TTFT p50':>10}{'TTFT p99':>10}{'E2E p50':>10}{'E2E p99':>10}")
-    for name, (ttft, e2e) in results.items():
-        print(f"{name:<20}{_pct(ttft, 50) * 1e3:>10.1f}{_pct(ttft, 99) * 1e3:>10.1f}"
-              f"{_pct(e2e, 50) * 1e3:>10.1f}{_pct(e2e, 99) * 1e3:>10.1f}")
-    (c_ttft, c_e2e), (p_ttft, p_e2e) = results["colocated"], results["1P1D rust router"]
-    over50 = (_pct(p_ttft, 50) - _pct(c_ttft, 50)) * 1e3
-    over99 = (_pct(p_ttft, 99) - _pct(c_ttft, 99)) * 1e3
-    print(f"\nPD TTFT overhead: p50 {over50:+.1f} ms, p99 {over99:+.1f} ms "
-          f"(ratio p50 {_pct(p_ttft, 50) / _pct(c_ttft, 50):.2f}x); goal p50 <= 10 ms: "
-          f"{'met' if over50 <= 10 else 'NOT met'}")
-    print(f"PD E2E overhead: p50 {(_pct(p_e2e, 50) - _pct(c_e2e, 50)) * 1e3:+.1f} ms, "
-          f"mean {(statistics.mean(p_e2e) - statistics.mean(c_e2e)) * 1e3:+.1f} ms")
+    print(f"\n{args.requests} requests per server at concurrency 1 (times in ms): streaming "
+          f"with {args.max_new_tokens} new tokens, and non-streaming with 1 new token")
+    print(f"{'server':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'E2E p50':>10}{'E2E p99':>10}"
+          f"{'1-tok p50':>11}{'1-tok p99':>11}")
+    for name, r in results.items():
+        print(f"{name:<16}" + "".join(
+            f"{_pct(r[k], q) * 1e3:>{w}.1f}" for k, q, w in
+            (("ttft", 50, 10), ("ttft", 99, 10), ("e2e", 50, 10), ("e2e", 99, 10),
+             ("one_token", 50, 11), ("one_token", 99, 11))))
+    base = results["colocated"]
+    print()
+    for name, r in results.items():
+        if name == "colocated":
+            continue
+        for key, label in (("ttft", "streaming TTFT"), ("one_token", "1-token latency")):
+            o50 = (_pct(r[key], 50) - _pct(base[key], 50)) * 1e3
+            o99 = (_pct(r[key], 99) - _pct(base[key], 99)) * 1e3
+            ratio = _pct(r[key], 50) / _pct(base[key], 50)
+            goal = "met" if o50 <= 10 else "NOT met"
+            print(f"{name:<16} {label:<16} overhead p50 {o50:+7.1f} ms, p99 {o99:+7.1f} ms "
+                  f"(p50 ratio {ratio:.2f}x; goal p50 <= 10 ms: {goal})")
 
 
 if __name__ == "__main__":
