@@ -46,6 +46,19 @@ class SeqChunk:
     page_ids: Sequence[int]   # the sequence's page table; covers start_pos + len(token_ids)
 
 
+# What a server of each role compiles ahead of serving: P only prefills, D only decodes (its
+# rare local prefills — /health_generate, recompute after preemption — compile on first use).
+# Every process of a multi-process instance must warm up the same way (lockstep SPMD).
+WARMUP_BY_ROLE: dict[str, dict[str, bool]] = {
+    "prefill": {"decode": False},
+    "decode": {"prefill": False},
+}
+
+
+def warmup_kinds(role: str) -> dict[str, bool]:
+    return dict(WARMUP_BY_ROLE.get(role, {}))
+
+
 def bucket(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     n = max(int(n), minimum, 1)
@@ -261,17 +274,18 @@ class ModelRunner:
             logits = logits.addressable_data(0)
         return logits[: len(chunks)]
 
-    def warmup(self) -> None:
+    def warmup(self, decode: bool = True, prefill: bool = True) -> None:
         """Compile the common buckets: decode at every batch bucket up to max_running_requests
         (short contexts), and single-sequence prefill at every token bucket up to
-        max_prefill_tokens. Warmup steps only write the reserved page 0."""
+        max_prefill_tokens; a role that never runs one kind skips it (`WARMUP_BY_ROLE`).
+        Warmup steps only write the reserved page 0."""
         shapes: list[tuple[int, int]] = []  # (batch, tokens per sequence)
         b = 1
-        while b <= bucket(self.max_running_requests):
+        while decode and b <= bucket(self.max_running_requests):
             shapes.append((b, 1))
             b *= 2
         t = 2
-        while t <= bucket(self.max_prefill_tokens):
+        while prefill and t <= bucket(self.max_prefill_tokens):
             shapes.append((1, t))
             t *= 2
         for nseq, ntok in shapes:

@@ -90,7 +90,7 @@ ENGINE_BUILDERS = {"local": "pdtopo.runtime.local.engine"}
 def build_engine(ctx: ProcessContext, tokenizer, metrics):
     """One mesh, one runner and the role's scheduler (P, D or colocated), warmed up."""
     from pdtopo.runtime.mesh import build_mesh
-    from pdtopo.runtime.model_runner import ModelRunner
+    from pdtopo.runtime.model_runner import ModelRunner, warmup_kinds
     from pdtopo.runtime.scheduler_factory import make_scheduler
 
     cfg = ctx.cfg
@@ -100,7 +100,7 @@ def build_engine(ctx: ProcessContext, tokenizer, metrics):
     runner = ModelRunner(cfg.model, cfg.engine, mesh)
     log.info("model loaded (%d KV pages x %d tokens); warming up ...", runner.num_pages,
              runner.page_size)
-    runner.warmup()
+    runner.warmup(**warmup_kinds(ctx.role))
     scheduler = make_scheduler(ctx, runner, tokenizer, metrics=metrics)
     scheduler.warmup()
     return runner, scheduler

@@ -43,6 +43,28 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         self._senders: dict[str, Any] = {}     # rid -> sender, until the request finishes
         self._inflight: list[Any] = []         # senders whose KV awaits D's pull
 
+    def warmup(self) -> None:
+        """P samples only first tokens of prefill batches: compile the sampler for every
+        batch bucket on logits shaped and sharded like the runner's, without compiling the
+        decode steps that the engine's warmup would run to make them."""
+        import jax
+        import jax.numpy as jnp
+
+        from pdtopo.runtime.model_runner import bucket
+        from pdtopo.runtime.sampling import RowParams
+
+        (page,) = self.allocator.alloc(1)
+        try:
+            logits = self.runner.forward([self.make_chunk([0], 0, [page])])
+        finally:
+            self.allocator.free([page])
+        n = 1
+        while n <= bucket(self.max_running):
+            rows = jax.device_put(jnp.zeros((n, logits.shape[1]), logits.dtype), logits.sharding)
+            self.sampler.sample(rows, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
+            self.sampler.sample(rows, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
+            n *= 2
+
     # ------------------------------------------------------------------ loop
     def step(self) -> None:
         self._poll_senders()

@@ -208,7 +208,7 @@ def run_follower(ctx: Any, spec: ClusterSpec) -> int:
     from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
     from pdtopo.runtime.distributed.health import HealthServer
     from pdtopo.runtime.mesh import build_mesh
-    from pdtopo.runtime.model_runner import ModelRunner
+    from pdtopo.runtime.model_runner import ModelRunner, warmup_kinds
     from pdtopo.runtime.server import enable_compilation_cache
 
     cfg = ctx.cfg
@@ -235,7 +235,7 @@ def run_follower(ctx: Any, spec: ClusterSpec) -> int:
         log.info("follower %s: mesh tp=%d on %s", ctx.name, tp,
                  [str(d) for d in mesh.devices.flat])
         runner = ModelRunner(cfg.model, cfg.engine, mesh)
-        runner.warmup()
+        runner.warmup(**warmup_kinds(ctx.role))  # the same compiled steps as the leader
         pd = ctx.role in ("prefill", "decode")
         if pd:
             engine = JaxTransferKVEngine.from_context(ctx)
