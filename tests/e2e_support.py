@@ -11,7 +11,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -119,6 +120,27 @@ class Deployment:
     def stop(self) -> None:
         run_pdtopo(["stop", str(self.run_dir)], timeout=120)
 
+    def stop_and_check(self) -> None:
+        """`pdtopo stop`, then no process whose command line names the run dir may be left."""
+        self.stop()
+        time.sleep(0.5)
+        left = processes_of_run(self.run_dir)
+        assert left == [], f"processes of {self.run_dir} still alive after pdtopo stop: {left}"
+
+    def wait_pools_baseline(self, timeout: float = 10.0) -> dict[str, dict]:
+        """Poll every P/D/colocated/local server until its pool is back at its baseline (all
+        pages free, no request, no registered KV); fails with the last states otherwise."""
+        names = [p["name"] for p in self.plan["processes"]
+                 if p["role"] in ("prefill", "decode", "colocated", "local")
+                 and p.get("leader", True) is not False]
+        deadline = time.monotonic() + timeout
+        while True:
+            states = {n: pool_state(self.url(n)) for n in names}
+            if all(at_baseline(s) for s in states.values()):
+                return states
+            assert time.monotonic() < deadline, f"pools not back at baseline: {states}"
+            time.sleep(0.2)
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -216,3 +238,25 @@ def stream_generate(url: str, payload: dict, timeout: float = 120) -> list[dict]
 
 def pool_state(url: str) -> dict:
     return httpx.get(f"{url}/pdtopo/state", timeout=10).json()
+
+
+def at_baseline(state: dict) -> bool:
+    return (state["free_pages"] == state["total_pages"] and state["num_reqs"] == 0
+            and state.get("pd_registered_kv", 0) == 0)
+
+
+@contextmanager
+def colocated_reference(log_dir: Path, overrides: Sequence[str], prompts: Sequence[str],
+                        sampling: dict) -> Iterator[dict[str, list[int]]]:
+    """Greedy output ids of a colocated server (same model and seed) for every prompt."""
+    log = Path(log_dir) / "colocated.log"
+    server = ColocatedServer(port_block(1), overrides, log_path=log)
+    try:
+        try:
+            server.start()
+        except Exception:
+            raise RuntimeError(f"colocated server failed:\n{log.read_text()[-4000:]}") from None
+        yield {p: generate(server.url, {"text": p, "sampling_params": sampling})["output_ids"]
+               for p in prompts}
+    finally:
+        server.stop()

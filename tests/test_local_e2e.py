@@ -15,13 +15,12 @@ import pytest
 from pdtopo.launcher.supervisor_control import Supervisor
 from pdtopo.runtime.local.threads import CRASH_EXIT_CODE
 from tests.e2e_support import (
-    ColocatedServer,
     Deployment,
+    colocated_reference,
     deployment_overrides,
     generate,
     pool_state,
     port_block,
-    processes_of_run,
     wait_healthy,
 )
 
@@ -46,25 +45,11 @@ def _launch(tmp_path_factory, name: str, extra: list[str]) -> Deployment:
                                 *deployment_overrides(port_block(40))])
 
 
-def _teardown(dep: Deployment) -> None:
-    dep.stop()
-    time.sleep(0.5)
-    left = processes_of_run(dep.run_dir)
-    assert left == [], f"processes of {dep.run_dir} still alive after pdtopo stop: {left}"
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    log = tmp_path_factory.mktemp("colocated") / "server.log"
-    server = ColocatedServer(port_block(1), ENGINE, log_path=log)
-    try:
-        server.start()
-        yield {p: generate(server.url, {"text": p, "sampling_params": GREEDY})["output_ids"]
-               for p in PROMPTS}
-    except Exception:
-        raise RuntimeError(f"colocated server failed:\n{log.read_text()[-4000:]}") from None
-    finally:
-        server.stop()
+    with colocated_reference(tmp_path_factory.mktemp("colocated"), ENGINE, PROMPTS,
+                             GREEDY) as ref:
+        yield ref
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +59,7 @@ def local(tmp_path_factory):
         dep.launch()
         yield dep
     finally:
-        _teardown(dep)
+        dep.stop_and_check()
 
 
 def test_greedy_matches_colocated_and_pools_return(local, reference):
@@ -133,4 +118,4 @@ def test_crashed_worker_thread_exits_and_supervisord_restarts(tmp_path_factory):
                                                                       "temperature": 0}})
         assert len(out["output_ids"]) == 2  # the restarted process serves again
     finally:
-        _teardown(dep)
+        dep.stop_and_check()

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from tests.e2e_support import (
-    ColocatedServer,
     Deployment,
+    colocated_reference,
     deployment_overrides,
     generate,
     port_block,
@@ -60,16 +60,9 @@ def deployment(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    log = tmp_path_factory.mktemp("mp_colocated") / "server.log"
-    server = ColocatedServer(port_block(1), OVERRIDES, log_path=log)
-    try:
-        server.start()
-        yield {p: generate(server.url, {"text": p, "sampling_params": GREEDY})["output_ids"]
-               for p in PROMPTS}
-    except Exception:
-        raise RuntimeError(f"colocated server failed:\n{log.read_text()[-4000:]}") from None
-    finally:
-        server.stop()
+    with colocated_reference(tmp_path_factory.mktemp("mp_colocated"), OVERRIDES, PROMPTS,
+                             GREEDY) as ref:
+        yield ref
 
 
 def _state(url: str) -> dict:

@@ -7,7 +7,6 @@ pool must return to its baseline. `pdtopo stop` must leave no process of the run
 from __future__ import annotations
 
 import concurrent.futures as cf
-import time
 
 import httpx
 import pytest
@@ -17,9 +16,7 @@ from tests.e2e_support import (
     Deployment,
     deployment_overrides,
     generate,
-    pool_state,
     port_block,
-    processes_of_run,
     stream_generate,
 )
 
@@ -64,10 +61,7 @@ def pd(request, tmp_path_factory):
         dep.launch()
         yield dep
     finally:
-        dep.stop()
-        time.sleep(0.5)
-        left = processes_of_run(run_dir)
-        assert left == [], f"processes of {run_dir} still alive after pdtopo stop: {left}"
+        dep.stop_and_check()
 
 
 def test_generate_matches_colocated(pd, reference):
@@ -126,16 +120,7 @@ def test_concurrent_requests_and_pools_back_to_baseline(pd, reference):
             lambda p: generate(pd.proxy_url, {"text": p, "sampling_params": GREEDY}),
             PROMPTS * 3))
     assert [o["output_ids"] for o in outs] == [reference[p]["output_ids"] for p in PROMPTS * 3]
-    deadline = time.monotonic() + 10
-    while True:
-        states = {n: pool_state(pd.url(n)) for n in pd.names("prefill") + pd.names("decode")}
-        done = all(s["free_pages"] == s["total_pages"] and s["num_reqs"] == 0
-                   for s in states.values())
-        done = done and all(s.get("pd_registered_kv", 0) == 0 for s in states.values())
-        if done or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert done, states
+    pd.wait_pools_baseline()
 
 
 def test_bad_request_is_a_clear_400_and_service_continues(pd, reference):

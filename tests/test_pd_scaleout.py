@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import re
-import time
 
 import httpx
 import pytest
 
 from tests.e2e_support import (
-    ColocatedServer,
     Deployment,
+    colocated_reference,
     deployment_overrides,
     generate,
-    pool_state,
     port_block,
-    processes_of_run,
 )
 
 pytestmark = pytest.mark.slow
@@ -31,25 +28,14 @@ PROMPTS = [f"Request number {i}: " + "tell me a story about paged attention " * 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    log = tmp_path_factory.mktemp("colocated") / "server.log"
-    server = ColocatedServer(port_block(1), MODEL, log_path=log)
-    try:
-        server.start()
-        yield {p: generate(server.url, {"text": p, "sampling_params": GREEDY})["output_ids"]
-               for p in PROMPTS}
-    finally:
-        server.stop()
+    with colocated_reference(tmp_path_factory.mktemp("colocated"), MODEL, PROMPTS,
+                             GREEDY) as ref:
+        yield ref
 
 
 def _launch(tmp_path_factory, name, extra):
     run_dir = tmp_path_factory.mktemp(name) / "run"
     return Deployment(run_dir, [*MODEL, *extra, *deployment_overrides(port_block(40))]).launch()
-
-
-def _teardown(dep):
-    dep.stop()
-    time.sleep(0.5)
-    assert processes_of_run(dep.run_dir) == []
 
 
 def _counter(url, name):
@@ -59,18 +45,6 @@ def _counter(url, name):
         if re.match(rf"^{re.escape(name)}(\{{.*\}})? ", line):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def _assert_baseline(dep):
-    deadline = time.monotonic() + 10
-    while True:
-        states = {n: pool_state(dep.url(n)) for n in dep.names("prefill") + dep.names("decode")}
-        ok = all(s["free_pages"] == s["total_pages"] and s["num_reqs"] == 0
-                 and s.get("pd_registered_kv", 0) == 0 for s in states.values())
-        if ok or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert ok, states
 
 
 def test_2p2d_32_concurrent_requests(tmp_path_factory, reference):
@@ -86,9 +60,9 @@ def test_2p2d_32_concurrent_requests(tmp_path_factory, reference):
             assert _counter(dep.url(name), "sglang:prompt_tokens_total") > 0, name
         for name in dep.names("decode"):
             assert _counter(dep.url(name), "sglang:generation_tokens_total") > 0, name
-        _assert_baseline(dep)
+        dep.wait_pools_baseline()
     finally:
-        _teardown(dep)
+        dep.stop_and_check()
 
 
 def test_tensor_parallel_1p1d_matches_colocated(tmp_path_factory, reference):
@@ -104,6 +78,6 @@ def test_tensor_parallel_1p1d_matches_colocated(tmp_path_factory, reference):
             assert out["output_ids"] == reference[prompt], prompt
         info = httpx.get(f"{dep.url('decode_0')}/get_server_info").json()
         assert info["tp_size"] == 2
-        _assert_baseline(dep)
+        dep.wait_pools_baseline()
     finally:
-        _teardown(dep)
+        dep.stop_and_check()

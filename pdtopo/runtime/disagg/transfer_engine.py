@@ -251,10 +251,14 @@ class JaxTransferKVEngine:
         with _SETTLE_LOCK:
             if p.future.done():
                 return
-            p.future.set_exception(exc)
             conn = p.conn
+            # Out of the cache before the waiter learns of the failure: its next pull to this
+            # peer must reconnect, never reuse the connection about to be poisoned.
+            self._drop_connection(p.peer, conn, poison=False)
+            p.future.set_exception(exc)
         log.warning("%s; poisoning the connection", exc)
-        self._drop_connection(p.peer, conn, poison=True)
+        if conn is not None:
+            _poison_connection(conn)
 
     def _pull_job(self, p: _Pull, specs: list[Any]) -> None:
         import jax
