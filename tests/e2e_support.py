@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from pdtopo.launcher.supervisor_control import pid_alive
 from tests.conftest import ephemeral_low
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ class Deployment:
         res = run_pdtopo(["status", str(self.run_dir)], timeout=60)
         for line in res.stdout.splitlines():
             for tok in line.replace(",", " ").split():
-                if tok.isdigit() and int(tok) > 1 and _alive(int(tok)):
+                if tok.isdigit() and int(tok) > 1 and pid_alive(int(tok)):
                     pids.append(int(tok))
         return pids
 
@@ -140,16 +141,6 @@ class Deployment:
                 return states
             assert time.monotonic() < deadline, f"pools not back at baseline: {states}"
             time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def processes_of_run(run_dir: Path) -> list[int]:

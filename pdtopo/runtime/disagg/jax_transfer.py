@@ -89,7 +89,29 @@ def _check_endpoint(addr: str, what: str) -> str:
     return f"{host}:{int(port)}"
 
 
-class JaxTransferKVSender(BaseKVSender):
+class _RoomEndpoint:
+    """What a sender and a receiver share: the room's KVPoll state, driven by the manager.
+    `abort` gives up on the room and tells the peer (which then frees what it holds)."""
+
+    mgr: JaxTransferKVManager
+    room: int
+    _state: KVPollState
+
+    def poll(self) -> KVPoll:
+        self.mgr.progress()
+        return self._state.state
+
+    def failure_exception(self) -> BaseException | None:
+        return self._state.error
+
+    def abort(self, reason: str, status: int | None = 500) -> None:
+        self._fail(KVTransferError(f"room {self.room}: {reason}", status=status), notify=True)
+
+    def _fail(self, exc: KVTransferError, *, notify: bool) -> None:
+        raise NotImplementedError
+
+
+class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
     """P side of one room (create with `JaxTransferKVManager.create_sender`)."""
 
     def __init__(self, mgr: JaxTransferKVManager, room: int) -> None:
@@ -118,16 +140,6 @@ class JaxTransferKVSender(BaseKVSender):
         if self.peer is not None:
             self.mgr.channel.send(self.peer, self.ready_msg)
 
-    def poll(self) -> KVPoll:
-        self.mgr.progress()
-        return self._state.state
-
-    def failure_exception(self) -> BaseException | None:
-        return self._state.error
-
-    def abort(self, reason: str, status: int | None = 500) -> None:
-        """P gives up on this room (e.g. prefill failed): D is told, buffers released."""
-        self._fail(KVTransferError(f"room {self.room}: {reason}", status=status), notify=True)
 
     # --------------------------------------------------------------- manager callbacks
     def _on_want(self, peer: Peer) -> None:
@@ -163,7 +175,7 @@ class JaxTransferKVSender(BaseKVSender):
         self.mgr._finish_sender(self)
 
 
-class JaxTransferKVReceiver(BaseKVReceiver):
+class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
     """D side of one room (create with `JaxTransferKVManager.create_receiver`)."""
 
     def __init__(self, mgr: JaxTransferKVManager, room: int, bootstrap_addr: str) -> None:
@@ -191,16 +203,6 @@ class JaxTransferKVReceiver(BaseKVReceiver):
         if self.ready_info is not None:
             self._start_pull()
 
-    def poll(self) -> KVPoll:
-        self.mgr.progress()
-        return self._state.state
-
-    def failure_exception(self) -> BaseException | None:
-        return self._state.error
-
-    def abort(self, reason: str, status: int | None = 500) -> None:
-        """D gives up on this room: P is told (so it frees its buffers)."""
-        self._fail(KVTransferError(f"room {self.room}: {reason}", status=status), notify=True)
 
     # --------------------------------------------------------------- manager callbacks
     def _on_ready(self, msg: m.Ready) -> None:
