@@ -30,7 +30,10 @@ TTL_S = 3
 # Fast failure detection, small engine, router retries and circuit breaker off so that what a
 # client sees for one request is decided by that request alone.
 FAULT_OVERRIDES = [
-    "model.num_layers=1",
+    # a P slow enough to queue: 700-token prompts prefill in 64-token steps (the fault tests
+    # kill processes while requests wait for prefill, for a pull and in decode)
+    "model.num_layers=4",
+    "engine.max_prefill_tokens=64",
     "engine.num_pages=256",
     "engine.max_model_len=1024",
     "engine.max_running_requests=32",

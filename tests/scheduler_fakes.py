@@ -42,7 +42,7 @@ class FakeRunner:
         self.calls: list[list[SeqChunk]] = []
         self.fail_on = fail_on  # token id that makes forward raise
 
-    def forward(self, chunks):
+    def forward(self, chunks, padded=False):  # padded: exactly one row per chunk is fine
         self.calls.append(chunks)
         ps = self.page_size
         out = np.zeros((len(chunks), VOCAB), np.float32)

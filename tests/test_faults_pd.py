@@ -47,6 +47,8 @@ pytestmark = pytest.mark.slow
 # (generous: the CI machine has 2 contended cores).
 ERROR_DEADLINE_S = KV_TIMEOUT_S + 10
 LONG = "abcdefghij" * 70  # ~700 tokens: 44 KV pages per request, prefills take a while
+# Enough long requests that P still has a queue while earlier KV waits for / is in a pull.
+MID_FLIGHT_REQUESTS = 96
 
 
 def report(name: str, **numbers) -> None:
@@ -109,7 +111,7 @@ def test_prefill_killed_mid_flight(dep):
     re-registers, new requests succeed, pools return to baseline."""
     p_url, d_url = dep.url("prefill_0"), dep.url("decode_0")
     bg = Background([lambda i=i: post_generate(dep.proxy_url, long_request(i))
-                     for i in range(48)], workers=48)
+                     for i in range(MID_FLIGHT_REQUESTS)], workers=MID_FLIGHT_REQUESTS)
     seen: dict = {}
 
     def mid_flight() -> bool:  # requests waiting for prefill AND KV waiting for / in a pull
@@ -154,7 +156,7 @@ def test_decode_killed_mid_flight(dep):
     packed KV of those rooms on expiry, D comes back and service resumes."""
     p_url, d_url = dep.url("prefill_0"), dep.url("decode_0")
     bg = Background([lambda i=i: post_generate(dep.proxy_url, long_request(i, 32))
-                     for i in range(32)], workers=32)
+                     for i in range(MID_FLIGHT_REQUESTS)], workers=MID_FLIGHT_REQUESTS)
     seen: dict = {}
 
     def mid_flight() -> bool:

@@ -100,59 +100,75 @@ def test_rope_llama3_scaling_changes_only_low_frequencies():
         model_config_from_cfg(_tiny(rope_scaling={"type": "yarn", "factor": 2.0}))
 
 
-def _metadata(chunks, page_size, pb=None):
-    """AttentionMetadata as ModelRunner builds it (reuses the runner's host-side prep)."""
-    from pdtopo.runtime.model_runner import ModelRunner
+def _geometry(page_size, layout_kind="paged", block_pages=16):
+    from pdtopo.runtime.step_inputs import StepGeometry
 
-    fake = ModelRunner.__new__(ModelRunner)
-    fake.page_size = page_size
-    _, arrays = fake._prepare(chunks)
-    return arrays["md"], arrays
+    return StepGeometry(page_size=page_size, max_pages=6, max_rows=4, max_prefill_tokens=16,
+                        layout_kind=layout_kind, block_tokens=block_pages * page_size)
 
 
-def test_gather_attention_matches_dense_and_ragged_reference():
-    """The gather implementation equals per-sequence dense causal attention, and the pallas
-    path's input glue, fed to JAX's reference ragged kernel, gives the same result."""
+def _reference_attention(chunks, q, kp, vp, cu, kvh, h, d):
+    """Per-sequence dense causal attention over pool pages (old tokens) + new tokens."""
+    scale = 1 / np.sqrt(d)
+    out = np.zeros((int(cu[len(chunks)]), h, d), np.float32)
+    for i, c in enumerate(chunks):
+        n = c.start_pos + len(c.token_ids)
+        keys = np.asarray(kp)[c.page_ids].reshape(-1, kvh, d)[:n]
+        vals = np.asarray(vp)[c.page_ids].reshape(-1, kvh, d)[:n]
+        for t in range(len(c.token_ids)):
+            for hh in range(h):
+                sc = keys[: c.start_pos + t + 1, hh // (h // kvh)] @ np.asarray(q)[cu[i] + t, hh]
+                p = np.exp(sc * scale - (sc * scale).max())
+                out[cu[i] + t, hh] = (p / p.sum()) @ vals[: c.start_pos + t + 1, hh // (h // kvh)]
+    return out
+
+
+@pytest.mark.parametrize("chunks", [
+    [SeqChunk([1] * 7, 0, [3, 9]), SeqChunk([1], 5, [4, 5]), SeqChunk([1] * 3, 6, [10, 11, 12])],
+    [SeqChunk([1] * 13, 3, [3, 9, 14, 15]), SeqChunk([1] * 2, 0, [7])],
+    [SeqChunk([1], 5, [4, 5]), SeqChunk([1], 0, [6]), SeqChunk([1], 22, [8, 1, 2, 16, 17, 18])],
+], ids=["mixed", "chunked", "decode"])
+def test_gather_attention_matches_dense_and_ragged_reference(chunks):
+    """The gather implementation (decode or flat layout, several context blocks) equals
+    per-sequence dense causal attention, and the pallas path's input glue, fed to JAX's
+    reference ragged kernel, gives the same result."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
         ref_ragged_paged_attention,
     )
 
+    from pdtopo.runtime.step_inputs import prepare_step
+
     rng = np.random.default_rng(0)
     ps, kvh, h, d, npages = 4, 2, 4, 8, 24
-    chunks = [SeqChunk([1] * 7, 0, [3, 9]), SeqChunk([1], 5, [4, 5]),
-              SeqChunk([1] * 3, 6, [10, 11, 12])]
-    md, arrays = _metadata(chunks, ps)
-    tb = arrays["tokens"].shape[0]
+    step = prepare_step(chunks, _geometry(ps))
+    assert step.key[0] == ("decode" if all(len(c.token_ids) == 1 for c in chunks) else "flat")
+    tb = step.tokens.shape[0]
     q = jnp.asarray(rng.standard_normal((tb, h, d)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((tb, kvh, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((tb, kvh, d)), jnp.float32)
     k_pool = jnp.asarray(rng.standard_normal((npages, ps, kvh, d)), jnp.float32)
     v_pool = jnp.asarray(rng.standard_normal((npages, ps, kvh, d)), jnp.float32)
-    md = attn.AttentionMetadata(*map(jnp.asarray, md))
-    out, kp, vp = attn.paged_attention(q, k, v, k_pool, v_pool, md, mesh=build_mesh(1),
-                                       impl="gather")
-    scale = 1 / np.sqrt(d)
-    # dense reference per sequence: context = pool pages (old tokens) + new tokens
-    cu = np.asarray(md.cu_q_lens)
-    for i, c in enumerate(chunks):
-        n = c.start_pos + len(c.token_ids)
-        keys = np.asarray(kp)[c.page_ids].reshape(-1, kvh, d)[:n]
-        vals = np.asarray(vp)[c.page_ids].reshape(-1, kvh, d)[:n]
-        np.testing.assert_array_equal(keys[c.start_pos:], np.asarray(k)[cu[i]:cu[i + 1]])
-        qs = np.asarray(q)[cu[i]:cu[i + 1]]
-        for t in range(len(c.token_ids)):
-            for hh in range(h):
-                sc = keys[: c.start_pos + t + 1, hh // (h // kvh)] @ qs[t, hh] * scale
-                p = np.exp(sc - sc.max())
-                ref = (p / p.sum()) @ vals[: c.start_pos + t + 1, hh // (h // kvh)]
-                np.testing.assert_allclose(np.asarray(out)[cu[i] + t, hh], ref, rtol=1e-5,
-                                           atol=1e-5)
+    lens = [len(c.token_ids) for c in chunks]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    for block_pages in (1, 2, 16):
+        step = prepare_step(chunks, _geometry(ps, block_pages=block_pages))
+        md = attn.AttentionMetadata(*map(jnp.asarray, step.md))
+        out, kp, vp = attn.paged_attention(q, k, v, k_pool, v_pool, md, mesh=build_mesh(1),
+                                           impl="gather", layout=step.key[0],
+                                           block_pages=block_pages)
+        for i, c in enumerate(chunks):
+            keys = np.asarray(kp)[c.page_ids].reshape(-1, kvh, d)
+            np.testing.assert_array_equal(
+                keys[c.start_pos:c.start_pos + lens[i]], np.asarray(k)[cu[i]:cu[i + 1]])
+        ref = _reference_attention(chunks, q, kp, vp, cu, kvh, h, d)
+        np.testing.assert_allclose(np.asarray(out)[:cu[-1]], ref, rtol=1e-5, atol=1e-5)
+    ragged = prepare_step(chunks, _geometry(ps, "ragged"))
+    assert ragged.key[0] == "ragged"
+    md = attn.AttentionMetadata(*map(jnp.asarray, ragged.md))
     kv, kv_lens, page_indices, cu_q, num_seqs = attn.ragged_kernel_inputs(kp, vp, md)
-    ragged = ref_ragged_paged_attention(q, kv, kv_lens, page_indices, cu_q, num_seqs,
-                                        sm_scale=scale)
-    total = int(cu[len(chunks)])
-    np.testing.assert_allclose(np.asarray(ragged)[:total], np.asarray(out)[:total], rtol=1e-5,
-                               atol=1e-5)
+    out_r = ref_ragged_paged_attention(q, kv, kv_lens, page_indices, cu_q, num_seqs,
+                                       sm_scale=1 / np.sqrt(d))
+    np.testing.assert_allclose(np.asarray(out_r)[:cu[-1]], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_resolve_impl():

@@ -151,7 +151,7 @@ def test_leader_runner_broadcasts_forward_before_running():
         kv_caches = ["pool"]
         page_size = 4
 
-        def forward(self, chunks):
+        def forward(self, chunks, padded=False):
             calls.append(("forward", len(mirror.sent)))
             return "logits"
 

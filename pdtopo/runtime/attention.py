@@ -1,19 +1,23 @@
 """Paged attention behind one function: `paged_attention(q, k, v, k_pool, v_pool, md, ...)`.
 
-Data flow for one layer of one engine step (all shapes padded to buckets by the runner):
+Data flow for one layer of one engine step (inputs from pdtopo.runtime.step_inputs):
   1. the new tokens' K/V ([T, kv_heads, head_dim]) are scattered into the layer's pool pages at
      (`md.slot_pages`, `md.slot_offsets`); padded tokens target page 0, the reserved page;
-  2. each query attends to its sequence's context read back through its page table
-     (`md.page_table[b]`), causally masked by absolute position and by `md.kv_lens`.
+  2. each query attends to its own sequence's context, causally masked by absolute position.
+     The "gather" implementation reads the context block by block (`block_pages` pages per
+     block, `md.num_blocks` blocks: a loop whose trip count is data, not shape) and folds each
+     block into an online softmax. Two layouts: "decode" (token i is sequence i, pages from
+     `md.page_table[i]`) and "flat" (any batch: pages from the batch's context list
+     `md.ctx_pages`, each page tagged with its owner sequence and first position).
 The pool layout is the project's KV format: `[num_pages, page_size, kv_heads, head_dim]`
 sharded over "tp" along kv heads. Everything runs inside `shard_map`, so each device works on
 its own heads and its own pool shard with no communication.
 
 Implementations (`engine.attention_impl`):
-  - "gather": XLA gather of the context pages, dense masked softmax; runs everywhere.
+  - "gather": XLA gathers of context blocks and an online softmax; runs everywhere.
   - "pallas": JAX's TPU ragged paged attention kernel
-    (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`). It wants K and V interleaved in
-    one array, so the used pages are gathered into a compact combined array first.
+    (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), "ragged" layout. It wants K and
+    V interleaved in one array, so the used pages are gathered into a compact array first.
   - "auto": pallas on TPU when head_dim % 128 == 0, gather otherwise (CPU: always gather).
 """
 
@@ -21,30 +25,16 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pdtopo.runtime.step_inputs import AttentionMetadata
+
 IMPLS = ("auto", "pallas", "gather")
 _MASKED = -1e30  # finite so that fully masked (padding) rows give no NaN
-
-
-class AttentionMetadata(NamedTuple):
-    """Per-step metadata (int32, replicated). T flat tokens, B sequences, Q max chunk length."""
-
-    slot_pages: jax.Array    # [T] pool page written by each token (0 for padding)
-    slot_offsets: jax.Array  # [T] offset inside that page
-    page_table: jax.Array    # [B, P] pages of each sequence (0-padded)
-    kv_lens: jax.Array       # [B] context length after this step (0 for padding sequences)
-    q_starts: jax.Array      # [B] absolute position of each chunk's first token
-    cu_q_lens: jax.Array     # [B+1] offsets of each chunk in the flat token array
-    seq_tok_idx: jax.Array   # [B, Q] flat index of chunk b's j-th token (0 when padding)
-    tok_seq: jax.Array       # [T] sequence of each flat token
-    tok_qidx: jax.Array      # [T] index of each flat token inside its chunk
-    num_seqs: jax.Array      # [1] real sequences
 
 
 def resolve_impl(impl: str, head_dim: int, platform: str | None = None) -> str:
@@ -66,28 +56,83 @@ def write_kv(k: jax.Array, v: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     return k_pool, v_pool
 
 
-def gather_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                     md: AttentionMetadata, sm_scale: float) -> jax.Array:
-    """Attention of flat queries [T, H, D] over their sequences' pages -> [T, H, D]."""
-    _, h, d = q.shape
-    b, npages = md.page_table.shape
-    qlen = md.seq_tok_idx.shape[1]
+def _online_block(carry, scores, valid, v, out_spec: str):
+    """One block of an online softmax: fold `scores` (masked by `valid`) and values `v` into
+    the running (max, sum, accumulator). Masked entries contribute exactly nothing."""
+    m, denom, acc = carry
+    scores = jnp.where(valid, scores, _MASKED)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid, jnp.exp(scores - m_new[..., None]), 0.0)
+    denom = denom * alpha + p.sum(axis=-1)
+    acc = acc * alpha[..., None] + jnp.einsum(out_spec, p.astype(v.dtype), v,
+                                              preferred_element_type=jnp.float32)
+    return m_new, denom, acc
+
+
+def _finish(carry):
+    _, denom, acc = carry
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # fully masked (padding) rows give 0
+
+
+def decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                     md: AttentionMetadata, sm_scale: float, block_pages: int) -> jax.Array:
+    """Decode layout: token i is sequence i's one new token. q [B, H, D] -> [B, H, D]."""
+    b, h, d = q.shape
     page_size, kvh = k_pool.shape[1], k_pool.shape[2]
-    ctx = npages * page_size
-    qb = q[md.seq_tok_idx].reshape(b, qlen, kvh, h // kvh, d)
-    kc = k_pool[md.page_table].reshape(b, ctx, kvh, d)
-    vc = v_pool[md.page_table].reshape(b, ctx, kvh, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qb.astype(kc.dtype), kc,
-                        preferred_element_type=jnp.float32) * sm_scale
-    qpos = md.q_starts[:, None] + jnp.arange(qlen, dtype=jnp.int32)[None, :]   # [B, Q]
-    kpos = jnp.arange(ctx, dtype=jnp.int32)
-    mask = (kpos[None, None, :] <= qpos[:, :, None]) & (
-        kpos[None, None, :] < md.kv_lens[:, None, None])                        # [B, Q, S]
-    scores = jnp.where(mask[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
-    ob = jnp.einsum("bkgqs,bskd->bqkgd", probs, vc, preferred_element_type=jnp.float32)
-    ob = ob.reshape(b, qlen, h, d)
-    return ob[md.tok_seq, md.tok_qidx].astype(q.dtype)
+    span = block_pages * page_size
+    qg = q.reshape(b, kvh, h // kvh, d).astype(k_pool.dtype)
+
+    def body(i, carry):
+        pages = jax.lax.dynamic_slice_in_dim(md.page_table, i * block_pages, block_pages, 1)
+        k = k_pool[pages].reshape(b, span, kvh, d)
+        v = v_pool[pages].reshape(b, span, kvh, d)
+        scores = jnp.einsum("bkgd,bskd->bkgs", qg, k,
+                            preferred_element_type=jnp.float32) * sm_scale
+        kpos = i * span + jnp.arange(span, dtype=jnp.int32)
+        valid = (kpos[None, :] < md.kv_lens[:, None])[:, None, None, :]
+        return _online_block(carry, scores, valid, v, "bkgs,bskd->bkgd")
+
+    init = (jnp.full((b, kvh, h // kvh), _MASKED, jnp.float32),
+            jnp.zeros((b, kvh, h // kvh), jnp.float32),
+            jnp.zeros((b, kvh, h // kvh, d), jnp.float32))
+    out = _finish(jax.lax.fori_loop(0, md.num_blocks[0], body, init))
+    return out.reshape(b, h, d).astype(q.dtype)
+
+
+def flat_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                   md: AttentionMetadata, sm_scale: float, block_pages: int) -> jax.Array:
+    """Flat layout: every token attends to the context pages of its own sequence. Runs the
+    step's work items (`md.work`, see step_inputs.WORK_FIELDS): one tile of a sequence's query
+    rows against one block of that sequence's pages in `md.ctx_pages`. q [T, H, D]."""
+    t, h, d = q.shape
+    page_size, kvh = k_pool.shape[1], k_pool.shape[2]
+    g = h // kvh
+    span = tile = block_pages * page_size
+    qg = q.reshape(t, kvh, g, d).astype(k_pool.dtype)
+    qg = jnp.concatenate([qg, jnp.zeros((tile, kvh, g, d), qg.dtype)])  # room for a last tile
+    r = jnp.arange(tile, dtype=jnp.int32)[:, None]
+    c = jnp.arange(span, dtype=jnp.int32)[None, :]
+
+    def body(i, carry):
+        block, row, rows, qpos, kpos = jax.lax.dynamic_slice_in_dim(md.work, i, 1, 1)[:, 0]
+        pages = jax.lax.dynamic_slice_in_dim(md.ctx_pages, block * block_pages, block_pages)
+        k = k_pool[pages].reshape(span, kvh, d)
+        v = v_pool[pages].reshape(span, kvh, d)
+        qt = jax.lax.dynamic_slice_in_dim(qg, row, tile)
+        scores = jnp.einsum("tkgd,skd->tkgs", qt, k,
+                            preferred_element_type=jnp.float32) * sm_scale
+        valid = ((r < rows) & (kpos + c <= qpos + r))[:, None, None, :]
+        window = tuple(jax.lax.dynamic_slice_in_dim(x, row, tile) for x in carry)
+        window = _online_block(window, scores, valid, v, "tkgs,skd->tkgd")
+        return tuple(jax.lax.dynamic_update_slice_in_dim(x, w, row, 0)
+                     for x, w in zip(carry, window, strict=True))
+
+    init = (jnp.full((t + tile, kvh, g), _MASKED, jnp.float32),
+            jnp.zeros((t + tile, kvh, g), jnp.float32),
+            jnp.zeros((t + tile, kvh, g, d), jnp.float32))
+    out = _finish(jax.lax.fori_loop(0, md.num_work[0], body, init))[:t]
+    return out.reshape(t, h, d).astype(q.dtype)
 
 
 def ragged_kernel_inputs(k_pool: jax.Array, v_pool: jax.Array, md: AttentionMetadata):
@@ -111,28 +156,39 @@ def pallas_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                                   num_seqs, sm_scale=sm_scale).astype(q.dtype)
 
 
-def _local(q, k, v, k_pool, v_pool, md, *, impl: str, sm_scale: float):
+def _local(q, k, v, k_pool, v_pool, md, *, impl: str, layout: str, block_pages: int,
+           sm_scale: float):
     k_pool, v_pool = write_kv(k, v, k_pool, v_pool, md)
-    attend = pallas_attention if impl == "pallas" else gather_attention
-    return attend(q, k_pool, v_pool, md, sm_scale), k_pool, v_pool
+    if impl == "pallas":
+        out = pallas_attention(q, k_pool, v_pool, md, sm_scale)
+    else:
+        attend = decode_attention if layout == "decode" else flat_attention
+        out = attend(q, k_pool, v_pool, md, sm_scale, block_pages)
+    return out, k_pool, v_pool
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pool: jax.Array,
                     v_pool: jax.Array, md: AttentionMetadata, *, mesh: Mesh,
-                    impl: str = "gather", sm_scale: float | None = None
+                    impl: str = "gather", layout: str = "flat", block_pages: int = 1,
+                    sm_scale: float | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write k/v [T, KVH, D] into the pools, attend q [T, H, D]; returns (out, k_pool, v_pool).
 
-    `impl` must already be resolved ("gather" or "pallas"); call inside jit.
+    `impl` must already be resolved ("gather" or "pallas"); `layout` is the one md was
+    prepared for ("decode" or "flat" for gather, "ragged" for pallas); call inside jit.
     """
     if impl not in ("gather", "pallas"):
         raise ValueError(f"paged_attention: impl must be 'gather' or 'pallas', got {impl!r}")
+    want = ("ragged",) if impl == "pallas" else ("decode", "flat")
+    if layout not in want:
+        raise ValueError(f"paged_attention: impl {impl!r} reads layout {' or '.join(want)}, "
+                         f"got {layout!r}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     heads = P(None, "tp", None)
     pool = P(None, None, "tp", None)
     md_specs = AttentionMetadata(*([P()] * len(AttentionMetadata._fields)))
     fn = jax.shard_map(
-        partial(_local, impl=impl, sm_scale=scale), mesh=mesh,
-        in_specs=(heads, heads, heads, pool, pool, md_specs),
+        partial(_local, impl=impl, layout=layout, block_pages=block_pages, sm_scale=scale),
+        mesh=mesh, in_specs=(heads, heads, heads, pool, pool, md_specs),
         out_specs=(heads, pool, pool), check_vma=False)
     return fn(q, k, v, k_pool, v_pool, md)

@@ -2,11 +2,11 @@
 
 The scheduler thread owns the runner. Each step it calls `forward(chunks)` with one `SeqChunk`
 per sequence: prefill chunks (many tokens), decode chunks (one token) or a mix. The runner
-  1. flattens the chunks into one token array and builds the paging metadata on the host with
-     NumPy (`_prepare`): every shape is padded to a power-of-two bucket (tokens T, sequences B,
-     longest chunk Q, pages per sequence P) so steady-state serving reuses compiled programs;
-     padded tokens write their K/V to the reserved page 0 and padded sequences have length 0;
-  2. runs one jitted step (`_step`): decoder forward with paged attention
+  1. builds the step's padded host inputs (`pdtopo.runtime.step_inputs.prepare_step`): a decode
+     step's shape depends on its batch bucket only, a prefill step's on its token bucket only,
+     so the set of shapes is finite and small (`shape_grid`), `warmup` compiles all of it and
+     steady-state serving never compiles; padded tokens write their K/V to the reserved page 0;
+  2. runs the jitted step of that layout (`_step`): decoder forward with paged attention
      (`pdtopo.runtime.attention`), writing the new K/V into `kv_caches` (donated, updated in
      place) and returning float32 logits at each chunk's last token.
 KV pool format (docs/architecture.md): 2*L arrays `[num_pages, page_size, kv_heads, head_dim]`
@@ -33,6 +33,14 @@ from omegaconf import DictConfig, OmegaConf
 from pdtopo.runtime import attention as attn
 from pdtopo.runtime.model import llama
 from pdtopo.runtime.model.config import ModelConfig, model_config_from_cfg
+from pdtopo.runtime.step_inputs import (
+    LAYOUTS,
+    StepGeometry,
+    bucket,
+    prepare_step,
+    shape_grid,
+    warmup_batches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +65,6 @@ WARMUP_BY_ROLE: dict[str, dict[str, bool]] = {
 
 def warmup_kinds(role: str) -> dict[str, bool]:
     return dict(WARMUP_BY_ROLE.get(role, {}))
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    n = max(int(n), minimum, 1)
-    return 1 << (n - 1).bit_length()
 
 
 def _engine_get(engine_cfg: Any, key: str, default: Any) -> Any:
@@ -100,13 +102,20 @@ class ModelRunner:
         self.kv_sharding = NamedSharding(mesh, KV_PARTITION_SPEC)
         self.kv_caches: list[jax.Array] = self._allocate_pool()
 
+        self.geometry = StepGeometry(
+            page_size=self.page_size, max_pages=self.max_pages_per_seq,
+            max_rows=bucket(self.max_running_requests),
+            max_prefill_tokens=self.max_prefill_tokens,
+            layout_kind="ragged" if self.attention_impl == "pallas" else "paged")
         self._replicated = NamedSharding(mesh, P())
-        self._step = jax.jit(
-            partial(_step, cfg=self.config, mesh=mesh, impl=self.attention_impl),
-            donate_argnums=(1,),
-            out_shardings=(self._replicated, [self.kv_sharding] * len(self.kv_caches)),
-        )
-        self._shapes: set[tuple[int, int, int, int]] = set()
+        self._steps = {
+            layout: jax.jit(
+                partial(_step, cfg=self.config, mesh=mesh, impl=self.attention_impl,
+                        layout=layout, block_pages=self.geometry.block_pages),
+                donate_argnums=(1,),
+                out_shardings=(self._replicated, [self.kv_sharding] * len(self.kv_caches)))
+            for layout in LAYOUTS}
+        self._shapes: set[tuple] = set()
         self._lock = threading.Lock()  # forward is single-owner; the lock guards misuse
         log.info("ModelRunner: %s tp=%d dtype=%s kv_dtype=%s pages=%d x %d attention=%s",
                  self.config.name, self.tp, self.dtype, self.kv_dtype, self.num_pages,
@@ -204,106 +213,54 @@ class ModelRunner:
                 raise ValueError(f"chunk {i}: page ids must be in [1, {self.num_pages}) "
                                  f"(page 0 is reserved), got {pages.tolist()}")
 
-    def _prepare(self, chunks: Sequence[SeqChunk]) -> tuple[tuple[int, ...], dict[str, Any]]:
-        """Host-side (NumPy) padded inputs of one step; returns (bucket key, arrays)."""
-        ps = self.page_size
-        n = len(chunks)
-        lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
-        starts = np.array([c.start_pos for c in chunks], dtype=np.int32)
-        need = -(-(starts + lens) // ps)
-        total = int(lens.sum())
-        tb, bb = bucket(total), bucket(n)
-        qb, pb = bucket(int(lens.max())), bucket(int(need.max()))
-
-        cu = np.zeros(bb + 1, dtype=np.int32)
-        cu[1:n + 1] = np.cumsum(lens)
-        cu[n + 1:] = total
-        tok_seq = np.zeros(tb, dtype=np.int32)
-        tok_seq[:total] = np.repeat(np.arange(n, dtype=np.int32), lens)
-        tok_qidx = np.zeros(tb, dtype=np.int32)
-        tok_qidx[:total] = np.arange(total, dtype=np.int32) - cu[tok_seq[:total]]
-        tokens = np.zeros(tb, dtype=np.int32)
-        tokens[:total] = np.concatenate([np.asarray(c.token_ids, dtype=np.int32) for c in chunks])
-        positions = np.zeros(tb, dtype=np.int32)
-        positions[:total] = starts[tok_seq[:total]] + tok_qidx[:total]
-
-        page_table = np.zeros((bb, pb), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            page_table[i, :need[i]] = np.asarray(c.page_ids[:need[i]], dtype=np.int32)
-        slot_pages = np.zeros(tb, dtype=np.int32)
-        slot_pages[:total] = page_table[tok_seq[:total], positions[:total] // ps]
-        slot_offsets = np.zeros(tb, dtype=np.int32)
-        slot_offsets[:total] = positions[:total] % ps
-
-        kv_lens = np.zeros(bb, dtype=np.int32)
-        kv_lens[:n] = starts + lens
-        q_starts = np.zeros(bb, dtype=np.int32)
-        q_starts[:n] = starts
-        j = np.arange(qb, dtype=np.int32)[None, :]
-        seq_tok_idx = np.where(j < np.pad(lens, (0, bb - n))[:, None], cu[:-1, None] + j, 0)
-        last_idx = np.zeros(bb, dtype=np.int32)
-        last_idx[:n] = cu[1:n + 1] - 1
-
-        md = attn.AttentionMetadata(
-            slot_pages=slot_pages, slot_offsets=slot_offsets, page_table=page_table,
-            kv_lens=kv_lens, q_starts=q_starts, cu_q_lens=cu,
-            seq_tok_idx=seq_tok_idx.astype(np.int32), tok_seq=tok_seq, tok_qidx=tok_qidx,
-            num_seqs=np.array([n], dtype=np.int32))
-        return (tb, bb, qb, pb), {"tokens": tokens, "positions": positions, "md": md,
-                                  "last_idx": last_idx}
-
-    def _run(self, key: tuple[int, ...], arrays: dict[str, Any]) -> jax.Array:
+    def _run(self, key: tuple, arrays: dict[str, Any]) -> jax.Array:
         put = partial(jax.device_put, device=self._replicated)
         arrays = jax.tree.map(put, arrays)
         with self._lock:
-            logits, self.kv_caches = self._step(
+            logits, self.kv_caches = self._steps[key[0]](
                 self.params, self.kv_caches, arrays["tokens"], arrays["positions"],
                 arrays["md"], arrays["last_idx"])
             self._shapes.add(key)
         return logits
 
-    def forward(self, chunks: list[SeqChunk]) -> jax.Array:
-        """Logits [len(chunks), vocab] (float32) at each chunk's last token; writes the chunks'
-        K/V into `self.kv_caches`. On a mesh spanning several processes every process must
-        call forward with the same chunks (lockstep) and gets its local copy of the logits."""
+    def forward(self, chunks: list[SeqChunk], padded: bool = False) -> jax.Array:
+        """Logits (float32) at each chunk's last token: [len(chunks), vocab], or with
+        `padded` the step's whole bucket of rows (row i is chunk i; extra rows are padding),
+        which saves a slicing program per batch size. Writes the chunks' K/V into
+        `self.kv_caches`. On a mesh spanning several processes every process must call forward
+        with the same chunks (lockstep) and gets its local copy of the logits."""
         self._validate(chunks)
-        key, arrays = self._prepare(chunks)
-        logits = self._run(key, arrays)
+        step = prepare_step(chunks, self.geometry)
+        logits = self._run(step.key, step.arrays())
         if not logits.is_fully_addressable:
             # multi-process mesh: logits are replicated; sample from this process's copy
             logits = logits.addressable_data(0)
-        return logits[: len(chunks)]
+        return logits if padded else logits[: len(chunks)]
+
+    def shape_grid(self, decode: bool = True, prefill: bool = True) -> set[tuple]:
+        """The step shapes `warmup(decode, prefill)` compiles (see step_inputs.shape_grid)."""
+        return shape_grid(self.geometry, decode, prefill)
 
     def warmup(self, decode: bool = True, prefill: bool = True) -> None:
-        """Compile the common buckets: decode at every batch bucket up to max_running_requests
-        (short contexts), and single-sequence prefill at every token bucket up to
-        max_prefill_tokens; a role that never runs one kind skips it (`WARMUP_BY_ROLE`).
-        Warmup steps only write the reserved page 0."""
-        shapes: list[tuple[int, int]] = []  # (batch, tokens per sequence)
-        b = 1
-        while decode and b <= bucket(self.max_running_requests):
-            shapes.append((b, 1))
-            b *= 2
-        t = 2
-        while prefill and t <= bucket(self.max_prefill_tokens):
-            shapes.append((1, t))
-            t *= 2
-        for nseq, ntok in shapes:
-            if math.ceil(ntok / self.page_size) > self.max_pages_per_seq:
-                continue
-            chunks = [SeqChunk([0] * ntok, 0, [0] * math.ceil(ntok / self.page_size))
-                      for _ in range(nseq)]
-            key, arrays = self._prepare(chunks)  # page 0 only: no pool page is touched
-            jax.block_until_ready(self._run(key, arrays))
+        """Compile every step shape the scheduler can produce: decode at every batch bucket up
+        to max_running_requests, prefill at every token bucket up to max_prefill_tokens; a
+        role that never runs one kind skips it (`WARMUP_BY_ROLE`). Warmup steps only write the
+        reserved page 0."""
+        for batch in warmup_batches(self.geometry, decode, prefill):
+            chunks = [SeqChunk([0] * t, s, [0] * math.ceil((s + t) / self.page_size))
+                      for t, s in batch]
+            step = prepare_step(chunks, self.geometry)  # page 0 only: no pool page is touched
+            jax.block_until_ready(self._run(step.key, step.arrays()))
 
 
 def _step(params, kv_caches, tokens, positions, md, last_idx, *, cfg: ModelConfig,
-          mesh: Mesh, impl: str):
+          mesh: Mesh, impl: str, layout: str, block_pages: int):
     caches = list(kv_caches)
 
     def attention(layer: int, q, k, v):
         out, caches[2 * layer], caches[2 * layer + 1] = attn.paged_attention(
-            q, k, v, caches[2 * layer], caches[2 * layer + 1], md, mesh=mesh, impl=impl)
+            q, k, v, caches[2 * layer], caches[2 * layer + 1], md, mesh=mesh, impl=impl,
+            layout=layout, block_pages=block_pages)
         return out
 
     hidden = llama.forward_hidden(params, cfg, tokens, positions, attention)

@@ -148,15 +148,17 @@ class Scheduler:
                 log.warning("scheduler thread did not stop within %.0fs", timeout)
 
     def warmup(self) -> None:
-        """Compile the sampler for every batch size the loop can produce (call before
+        """Compile the sampler for every batch bucket the loop can produce (call before
         `start()`); uses real runner logits so shardings match. Borrows one page, then frees it."""
         make = _seq_chunk_cls()
         (page,) = self.allocator.alloc(1)
         try:
-            for n in range(1, self.max_running + 1):
-                logits = self.runner.forward([make([0], 0, [page]) for _ in range(n)])
+            n = 1
+            while n < 2 * self.max_running:  # padded logits: one row count per batch bucket
+                logits = self.runner.forward([make([0], 0, [page]) for _ in range(n)], padded=True)
                 self.sampler.sample(logits, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
                 self.sampler.sample(logits, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
+                n *= 2
         finally:
             self.allocator.free([page])
 
@@ -416,7 +418,7 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduledBatch) -> None:
         try:
-            logits = self.runner.forward(batch.chunks)
+            logits = self.runner.forward(batch.chunks, padded=True)
             tokens = self.sampler.sample(logits, [self.row_params(r) for r in batch.reqs])
         except Exception as exc:
             log.exception("%s batch of %d failed", batch.kind, len(batch.reqs))

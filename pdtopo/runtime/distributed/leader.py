@@ -198,11 +198,11 @@ class LeaderRunner:
     def kv_caches(self, value: list[Any]) -> None:
         self._runner.kv_caches = value
 
-    def forward(self, chunks: list[Any]) -> Any:
+    def forward(self, chunks: list[Any], padded: bool = False) -> Any:
         self.kv_mirror.broadcast({"op": "forward", "chunks": [
             [[int(t) for t in c.token_ids], int(c.start_pos), [int(p) for p in c.page_ids]]
             for c in chunks]})
-        return self._runner.forward(chunks)
+        return self._runner.forward(chunks, padded=padded)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)

@@ -1,0 +1,271 @@
+"""Host-side inputs of one engine step, and the finite set of shapes they can take.
+
+ModelRunner.forward(chunks) -> `prepare_step(chunks, geometry)` -> (StepKey, arrays) -> one
+jitted step per StepKey. Everything here is NumPy and pure: no JAX, no I/O.
+
+The goal is a closed shape set: a server compiles every StepKey its scheduler can produce during
+warmup (`shape_grid`) and never compiles while serving. Three layouts:
+
+  decode  every chunk is one token (a running batch). Token i belongs to sequence i; each
+          sequence's page table is padded to the longest a request may have
+          (`StepGeometry.decode_pages`), so the key depends on the batch bucket alone.
+  flat    anything else (prefill batches, mixed batches). Tokens are flat; the context pages of
+          every sequence in the batch are listed one after another (`ctx_pages`, with their owner
+          sequence and first position), each sequence starting on a block boundary, padded to a
+          fixed length (`StepGeometry.flat_pages`); the key depends on the token bucket alone.
+  ragged  the TPU ragged paged-attention kernel's inputs (per-sequence page tables, cumulative
+          query lengths); its key keeps the batch and page buckets.
+
+Attention (pdtopo.runtime.attention) walks the context block by block (`block_pages` pages per
+block) with an online softmax, only as far as the data goes, so padded tables cost nothing but a
+few int32s: a decode step visits `num_blocks` blocks for the whole batch; a flat step runs a
+list of work items (`work_block`, `work_row`: one tile of `tile_tokens` query rows of one
+sequence against one block of that sequence's context, blocks entirely after the tile's last
+position skipped), so batching short prompts costs what they need, not tokens x all contexts.
+A sequence's blocks and query tiles start at its own first page and first token in both
+layouts, so a token sees the same blocks in the same order whatever else is in the batch.
+
+Inputs a layout does not read get small fixed-shape placeholders, so they never change a key.
+A batch larger than the geometry (not produced by the scheduler: e.g. a request longer than
+engine.max_model_len) falls back to a bigger bucket: correct, at the cost of one compilation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+# Context tokens attention reads per block: long enough to amortise the loop, short enough that
+# a short context is not padded much (a block holds max(1, CONTEXT_BLOCK_TOKENS // page_size)
+# pages).
+CONTEXT_BLOCK_TOKENS = 64
+
+LAYOUTS = ("decode", "flat", "ragged")
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-int(n) // multiple) * multiple
+
+
+class AttentionMetadata(NamedTuple):
+    """Per-step metadata (int32, replicated). T flat tokens; see the module docstring."""
+
+    slot_pages: Any    # [T] pool page written by each token (0, the reserved page, for padding)
+    slot_offsets: Any  # [T] offset inside that page
+    page_table: Any    # decode/ragged: [B, P] pages of each sequence (0-padded)
+    kv_lens: Any       # decode/ragged: [B] context length after this step (0 for padding)
+    cu_q_lens: Any     # ragged: [B+1] offsets of each chunk in the flat token array
+    num_seqs: Any      # ragged: [1] real sequences
+    ctx_pages: Any     # flat: [N] the batch's context pages, block-aligned per sequence
+    num_blocks: Any    # decode: [1] context blocks attention visits
+    work: Any          # flat: [5, I] work items (query tile x context block), rows: WORK_FIELDS
+    num_work: Any      # flat: [1] real work items
+
+
+# Rows of AttentionMetadata.work: the item's block in ctx_pages, the tile's first token row,
+# how many of the tile's rows are its sequence's, the absolute position of the tile's first
+# row, and of the block's first token. The mask is computed from these scalars alone.
+WORK_FIELDS = ("block", "row", "rows", "qpos", "kpos")
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """Fixed sizes of a runner's step inputs, derived from the engine config."""
+
+    page_size: int
+    max_pages: int          # pages of the longest request (engine.max_model_len)
+    max_rows: int           # sequences per step: bucket(engine.max_running_requests)
+    max_prefill_tokens: int
+    layout_kind: str = "paged"  # paged (decode + flat layouts, gather attention) | ragged
+    block_tokens: int = CONTEXT_BLOCK_TOKENS
+
+    @property
+    def block_pages(self) -> int:
+        return max(1, self.block_tokens // self.page_size)
+
+    @property
+    def tile_tokens(self) -> int:
+        """Query rows per work item of the flat layout (one block of context each)."""
+        return self.block_pages * self.page_size
+
+    @property
+    def decode_pages(self) -> int:
+        return round_up(self.max_pages, self.block_pages)
+
+    @property
+    def flat_pages(self) -> int:
+        """Bound on a prefill batch's block-aligned context list: one sequence continuing a
+        chunked prompt (up to max_pages) + the batch's new tokens + per-sequence alignment."""
+        new = math.ceil(self.max_prefill_tokens / self.page_size) + self.max_rows
+        return round_up(self.max_pages + new + self.max_rows * self.block_pages,
+                        self.block_pages)
+
+    @property
+    def flat_work(self) -> int:
+        """Bound on a prefill batch's work items: every query tile (the batch's tokens in
+        tiles, plus one partial tile per sequence) times the blocks of the longest context."""
+        tiles = math.ceil(self.max_prefill_tokens / self.tile_tokens) + self.max_rows
+        blocks = math.ceil(self.max_pages / self.block_pages) + 1
+        return bucket(tiles * blocks)
+
+
+StepKey = tuple  # (layout, tokens T, rows B, pages per row P, context pages N)
+
+
+@dataclass
+class StepInputs:
+    key: StepKey
+    tokens: np.ndarray     # [T]
+    positions: np.ndarray  # [T]
+    md: AttentionMetadata
+    last_idx: np.ndarray   # [rows] flat index of each sequence's last token (logit rows)
+
+    def arrays(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "positions": self.positions, "md": self.md,
+                "last_idx": self.last_idx}
+
+
+def choose_layout(lens: Sequence[int], geometry: StepGeometry) -> str:
+    if geometry.layout_kind == "ragged":
+        return "ragged"
+    return "decode" if all(n == 1 for n in lens) else "flat"
+
+
+def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
+    """Padded host arrays of one step over `chunks` (objects with token_ids, start_pos and
+    page_ids covering start_pos + len(token_ids)). The caller has validated them."""
+    ps, bp = geometry.page_size, geometry.block_pages
+    n = len(chunks)
+    lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
+    starts = np.array([c.start_pos for c in chunks], dtype=np.int32)
+    need = -(-(starts + lens) // ps)  # pages each sequence's context spans after this step
+    total = int(lens.sum())
+    layout = choose_layout(lens.tolist(), geometry)
+
+    if layout == "decode":
+        tb = rows = max(bucket(n), 1)
+    elif layout == "flat":
+        tb, rows = bucket(total), max(geometry.max_rows, bucket(n))
+    else:
+        tb, rows = bucket(total), bucket(n)
+
+    cu = np.zeros(rows + 1, dtype=np.int32)
+    cu[1:n + 1] = np.cumsum(lens)
+    cu[n + 1:] = total
+    seq = np.repeat(np.arange(n, dtype=np.int32), lens)
+    pos = starts[seq] + (np.arange(total, dtype=np.int32) - cu[seq])
+    tokens = np.zeros(tb, dtype=np.int32)
+    tokens[:total] = np.concatenate([np.asarray(c.token_ids, dtype=np.int32) for c in chunks])
+    positions = np.zeros(tb, dtype=np.int32)
+    positions[:total] = pos
+    tables = [np.asarray(c.page_ids[:need[i]], dtype=np.int32) for i, c in enumerate(chunks)]
+    slot_pages = np.zeros(tb, dtype=np.int32)  # padding tokens write the reserved page 0
+    slot_offsets = np.zeros(tb, dtype=np.int32)
+    if total:
+        slot_pages[:total] = np.concatenate(
+            [t[(pos[cu[i]:cu[i + 1]]) // ps] for i, t in enumerate(tables)])
+        slot_offsets[:total] = pos % ps
+    last_idx = np.zeros(rows, dtype=np.int32)
+    last_idx[:n] = cu[1:n + 1] - 1
+
+    if layout == "flat":
+        blocks = -(-need // bp)
+        n_ctx = int(blocks.sum()) * bp
+        width = geometry.flat_pages if n_ctx <= geometry.flat_pages else round_up(
+            bucket(n_ctx), bp)
+        ctx_pages = np.zeros(width, dtype=np.int32)
+        tile, span = geometry.tile_tokens, bp * ps
+        items: list[tuple[int, int, int, int, int]] = []
+        at = 0
+        for i, t in enumerate(tables):
+            ctx_pages[at:at + len(t)] = t
+            first_block, lo, hi = at // bp, int(cu[i]), int(cu[i + 1])
+            for row in range(lo, hi, tile):
+                rows_in = min(tile, hi - row)
+                qpos = int(starts[i]) + row - lo
+                last_pos = qpos + rows_in - 1
+                for j in range(min(int(blocks[i]), last_pos // span + 1)):  # causal skip
+                    items.append((first_block + j, row, rows_in, qpos, j * span))
+            at += int(blocks[i]) * bp
+        n_work = len(items)
+        width_i = geometry.flat_work if n_work <= geometry.flat_work else bucket(n_work)
+        work = np.zeros((len(WORK_FIELDS), width_i), dtype=np.int32)
+        if items:
+            work[:, :n_work] = np.array(items, dtype=np.int32).T
+        page_table = np.zeros((1, bp), dtype=np.int32)
+        kv_lens = np.zeros(1, dtype=np.int32)
+        num_blocks = np.zeros(1, dtype=np.int32)
+        pages_key, ctx_key = 0, (width, width_i)
+    else:
+        if layout == "decode":
+            width = geometry.decode_pages
+            if int(need.max()) > width:
+                width = round_up(bucket(int(need.max())), bp)
+        else:
+            width = bucket(int(need.max()))
+        page_table = np.zeros((rows, width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            page_table[i, :len(t)] = t
+        kv_lens = np.zeros(rows, dtype=np.int32)
+        kv_lens[:n] = starts + lens
+        num_blocks = np.array([-(-int(need.max()) // bp)], dtype=np.int32)
+        ctx_pages = np.zeros(bp, dtype=np.int32)
+        work = np.zeros((len(WORK_FIELDS), 1), dtype=np.int32)
+        n_work = 0
+        pages_key, ctx_key = width, 0
+
+    md = AttentionMetadata(
+        slot_pages=slot_pages, slot_offsets=slot_offsets,
+        page_table=page_table, kv_lens=kv_lens,
+        cu_q_lens=cu if layout == "ragged" else np.zeros(2, dtype=np.int32),
+        num_seqs=np.array([n], dtype=np.int32), ctx_pages=ctx_pages, num_blocks=num_blocks,
+        work=work, num_work=np.array([n_work], dtype=np.int32))
+    key = (layout, tb, rows, pages_key, ctx_key)
+    return StepInputs(key, tokens, positions, md, last_idx)
+
+
+def warmup_batches(geometry: StepGeometry, decode: bool = True,
+                   prefill: bool = True) -> list[list[tuple[int, int]]]:
+    """One representative batch per StepKey of `shape_grid`: a list of (tokens, start_pos) per
+    sequence, to be run on the reserved page 0 only."""
+    batches: list[list[tuple[int, int]]] = []
+    if decode:
+        b = 1
+        while b <= geometry.max_rows:
+            batches.append([(1, 0)] * b)
+            b *= 2
+    if prefill:
+        t = 2
+        while t <= bucket(geometry.max_prefill_tokens):
+            if math.ceil(t / geometry.page_size) <= geometry.max_pages:
+                batches.append([(t, 0)])
+            t *= 2
+    return batches
+
+
+def shape_grid(geometry: StepGeometry, decode: bool = True, prefill: bool = True
+               ) -> set[StepKey]:
+    """Every StepKey the scheduler's batches can produce (paged layouts): decode steps at each
+    batch bucket, prefill steps at each token bucket up to engine.max_prefill_tokens."""
+
+    class _Chunk(NamedTuple):
+        token_ids: list[int]
+        start_pos: int
+        page_ids: list[int]
+
+    keys = set()
+    for batch in warmup_batches(geometry, decode, prefill):
+        chunks = [_Chunk([0] * t, s, [0] * math.ceil((s + t) / geometry.page_size))
+                  for t, s in batch]
+        keys.add(prepare_step(chunks, geometry).key)
+    return keys
