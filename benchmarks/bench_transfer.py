@@ -1,10 +1,12 @@
 """KV data-plane benchmark: transfer pull vs raw TCP, scatter (XLA) vs NumPy memcpy.
 
     python benchmarks/bench_transfer.py [--sizes-mb 1 16 64 256] [--chunk-mb 4] [--reps 5]
+        [--sockets 4] [--transfer-size-mb 1] [--raw-buffers auto|true|false]
 
 One run measures, on this machine, with baselines taken in the same run:
   1. pull throughput of JaxTransferKVEngine (a P process started here registers packed arrays of
-     `chunk_mb` each; this process pulls them and waits until ready), per total size;
+     `chunk_mb` each; this process pulls them and waits until ready), per
+     total size; the engine's defaults are the project's (disaggregation.* in conf/config.yaml);
   2. raw loopback TCP (sendall / recv_into of the same bytes between the same two processes);
   3. their ratio (goal >= 0.8x at >= 16 MB);
   4. scatter throughput of pdtopo.kernels.insert_kv_chunks (XLA impl) vs NumPy fancy-index
@@ -29,12 +31,13 @@ import numpy as np
 
 
 # ----------------------------------------------------------------------------- peer (P) side
-def serve(sockets: int) -> None:
+def serve(sockets: int, transfer_size_mb: float, raw_buffers: str) -> None:
     import jax
 
     from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
 
-    engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=1)
+    engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=transfer_size_mb,
+                                 raw_buffers=_flag(raw_buffers))
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(1)
@@ -75,18 +78,21 @@ def serve(sockets: int) -> None:
 
 
 # ----------------------------------------------------------------------------- D side
-def bench_pull(sizes_mb, chunk_mb, reps, sockets) -> list[dict]:
+def bench_pull(sizes_mb, chunk_mb, reps, sockets, transfer_size_mb, raw_buffers) -> list[dict]:
     import jax
 
     from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
 
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    peer = subprocess.Popen([sys.executable, __file__, "--serve", "--sockets", str(sockets)],
+    peer = subprocess.Popen([sys.executable, __file__, "--serve", "--sockets", str(sockets),
+                             "--transfer-size-mb", str(transfer_size_mb),
+                             "--raw-buffers", raw_buffers],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         hello = json.loads(peer.stdout.readline())
-        engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=1)
+        engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=transfer_size_mb,
+                                     raw_buffers=_flag(raw_buffers))
         raw = socket.create_connection(("127.0.0.1", hello["raw_port"]))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sink = np.empty(int(max(sizes_mb) * (1 << 20)) + (1 << 20), np.uint8)
@@ -139,6 +145,10 @@ def bench_pull(sizes_mb, chunk_mb, reps, sockets) -> list[dict]:
             peer.wait()
 
 
+def _flag(value: str) -> str | bool:
+    return value if value == "auto" else value == "true"
+
+
 def bench_scatter(reps: int) -> dict:
     import jax
 
@@ -183,17 +193,22 @@ def main() -> None:
     ap.add_argument("--chunk-mb", type=float, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sockets", type=int, default=4, help="transfer_sockets")
+    ap.add_argument("--transfer-size-mb", type=float, default=1, help="transfer_size_mb")
+    ap.add_argument("--raw-buffers", choices=("auto", "true", "false"), default="auto",
+                    help="transfer_raw_buffers")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.serve:
-        serve(args.sockets)
+        serve(args.sockets, args.transfer_size_mb, args.raw_buffers)
         return
     print(f"KV pull (jax.experimental.transfer, {args.sockets} transport sockets, "
-          f"{args.chunk_mb:g} MB arrays) vs raw loopback TCP; median of {args.reps}")
+          f"{args.chunk_mb:g} MB arrays, transfer_size {args.transfer_size_mb:g} MB, raw buffers "
+          f"{args.raw_buffers}) vs raw loopback TCP; median of {args.reps}")
     print(f"{'size MB':>8} {'arrays':>6} {'pull GB/s':>10} {'raw TCP GB/s':>13} {'ratio':>6}  goal")
-    for r in bench_pull(args.sizes_mb, args.chunk_mb, args.reps, args.sockets):
+    for r in bench_pull(args.sizes_mb, args.chunk_mb, args.reps, args.sockets,
+                         args.transfer_size_mb, args.raw_buffers):
         goal = ">=0.8" if r["mb"] >= 16 else "-"
         print(f"{r['mb']:8.0f} {r['arrays']:6d} {r['pull_gbs']:10.2f} {r['raw_gbs']:13.2f} "
               f"{r['ratio']:6.2f}  {goal}")

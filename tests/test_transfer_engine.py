@@ -25,7 +25,11 @@ from pdtopo.runtime.disagg.faults import InjectedTransferFault
 from pdtopo.runtime.disagg.jax_transfer import JaxTransferKVManager
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 from pdtopo.runtime.disagg.side_channel import SideChannel
-from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine, KVTransferTimeout
+from pdtopo.runtime.disagg.transfer_engine import (
+    JaxTransferKVEngine,
+    KVTransferTimeout,
+    resolve_raw_buffers,
+)
 
 SHAPE = (16, 4, 2, 8)
 
@@ -41,11 +45,39 @@ def pool(tp: int, fill: bool, entries: int = 4, dtype=np.float32):
                            else np.zeros(SHAPE, dtype), sharding(tp)) for e in range(entries)]
 
 
-@pytest.fixture
-def engine():
-    e = JaxTransferKVEngine(transfer_sockets=2, pull_workers=2, sweep_interval_s=0.2)
+@pytest.fixture(params=["auto", False], ids=["raw-buffers", "staged"])
+def engine(request):
+    e = JaxTransferKVEngine(transfer_sockets=2, pull_workers=2, sweep_interval_s=0.2,
+                            raw_buffers=request.param)
     yield e
     e.close()
+
+
+def test_pull_after_p_dropped_its_references(engine):
+    """P may drop its own references once registered (release before the pull): the transfer
+    server keeps the buffers alive, in both modes, even while new arrays reuse memory."""
+    import gc
+
+    want = [np.full((1 << 18,), e, np.float32) + np.arange(1 << 18, dtype=np.float32)
+            for e in range(6)]
+    uuid, _ = engine.register(3, [jax.device_put(w) for w in want], expire_s=30)
+    assert engine.release(3)
+    gc.collect()
+    churn = [jax.device_put(np.full((1 << 18,), -1.0, np.float32)) for _ in range(12)]
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    specs = [jax.ShapeDtypeStruct((1 << 18,), np.float32, sharding=dev)] * 6
+    got = engine.pull(engine.address, uuid, specs, 30, room=3).result(timeout=60)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), w)
+    del churn
+
+
+def test_raw_buffers_setting():
+    assert resolve_raw_buffers("auto", "cpu") is True
+    assert resolve_raw_buffers("auto", "tpu") is False
+    assert resolve_raw_buffers(False, "cpu") is False and resolve_raw_buffers(True, "tpu")
+    with pytest.raises(ValueError, match="transfer_raw_buffers='yes'"):
+        resolve_raw_buffers("yes", "cpu")
 
 
 def test_register_pull_release_sharded(engine):

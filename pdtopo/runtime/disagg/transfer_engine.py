@@ -1,8 +1,9 @@
 """JaxTransferKVEngine: the process's jax.experimental.transfer server, P and D halves.
 
 One engine per process. It owns the transfer server (started on the process's transfer
-address with `transfer_sockets` transport sockets and a small staging `transfer_size`), a
-cache of connections to peers, and the bookkeeping of what P has registered.
+address with `transfer_sockets` transport sockets, a small staging `transfer_size` and, where
+`raw_buffers` resolves true, sends straight from the arrays' own buffers instead of staging
+copies), a cache of connections to peers, and the bookkeeping of what P has registered.
 
 P (scheduler thread):  uuid, deadline = engine.register(room, packed_arrays, expire_s)
                        ... engine.release(room) on done / failure
@@ -62,6 +63,18 @@ def _poison_connection(conn: Any) -> None:
         log.warning("poisoning a transfer connection failed: %r", e)
 
 
+def resolve_raw_buffers(value: str | bool, platform: str) -> bool:
+    """disaggregation.transfer_raw_buffers: auto = on for the CPU backend, where sending from
+    the arrays' own host buffers skips a staging copy per byte (measured on loopback, configurations
+    interleaved: +17-27% pull throughput at 16-64 MB); off elsewhere (not measured on an
+    accelerator)."""
+    if isinstance(value, bool):
+        return value
+    if value == "auto":
+        return platform == "cpu"
+    raise ValueError(f"disaggregation.transfer_raw_buffers={value!r}: choose auto, true or false")
+
+
 def _deadline_datetime(seconds_from_now: float) -> dt.datetime:
     """The transfer library's timeouts are absolute datetimes in whole seconds."""
     return dt.datetime.now() + dt.timedelta(seconds=max(0, math.ceil(seconds_from_now)))
@@ -91,7 +104,8 @@ class JaxTransferKVEngine:
     """See the module docstring. Thread-safe; `close()` stops everything it started."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, transfer_sockets: int = 4,
-                 transfer_size_mb: float = 1, pull_workers: int = 4,
+                 transfer_size_mb: float = 1, raw_buffers: str | bool = "auto",
+                 pull_workers: int = 4,
                  fault_injection_prob: float = 0.0, seed: int = 0,
                  sweep_interval_s: float = 0.5, client: Any = None) -> None:
         import jax
@@ -106,9 +120,10 @@ class JaxTransferKVEngine:
             raise ValueError(f"disaggregation.transfer_size_mb must be > 0, got {transfer_size_mb}")
         # local_devices: in a multi-process instance jax.devices()[0] may belong to another process
         self._client = client if client is not None else jax.local_devices()[0].client
+        self.raw_buffers = resolve_raw_buffers(raw_buffers, self._client.platform)
         self._server = transfer.start_transfer_server(
             self._client, f"{host}:{int(port)}", [f"{host}:0"] * int(transfer_sockets),
-            transfer_size=int(transfer_size_mb * (1 << 20)))
+            transfer_size=int(transfer_size_mb * (1 << 20)), use_raw_buffers=self.raw_buffers)
         self.address: str = self._server.address()
         self.faults = FaultInjector(fault_injection_prob, seed)
         self.expired: queue.Queue[int] = queue.Queue()
@@ -135,6 +150,7 @@ class JaxTransferKVEngine:
         return cls(ctx.address, int(ctx.ports.get("transfer", 0)),
                    transfer_sockets=int(d.transfer_sockets),
                    transfer_size_mb=float(d.transfer_size_mb),
+                   raw_buffers=d.get("transfer_raw_buffers", "auto"),
                    pull_workers=int(d.pull_workers),
                    fault_injection_prob=float(d.fault_injection_prob),
                    seed=int(ctx.cfg.engine.seed))
