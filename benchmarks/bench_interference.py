@@ -92,18 +92,20 @@ def main() -> None:
     ap.add_argument("--topologies", default="colocated_cpu,1p1d_cpu",
                     help="comma list; the first is the baseline of the ratios")
     ap.add_argument("--decode-requests", type=int, default=16)
-    ap.add_argument("--decode-output", type=int, default=96)
-    ap.add_argument("--long-requests", type=int, default=8)
+    # decode requests must outlast the long prompts' arrival window, or nothing interferes
+    ap.add_argument("--decode-output", type=int, default=768)
+    ap.add_argument("--long-requests", type=int, default=16)
     ap.add_argument("--long-input", type=int, default=768)
     ap.add_argument("--long-start", type=float, default=0.5, help="s after the first request")
-    ap.add_argument("--long-interval", type=float, default=0.25)
+    ap.add_argument("--long-interval", type=float, default=0.15)
     ap.add_argument("--slo-ttft-ms", type=float, default=1000)
     ap.add_argument("--slo-itl-ms", type=float, default=50)
     ap.add_argument("--skip-startup", action="store_true", help="skip cold/warm start timing")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every deployment")
     args = ap.parse_args()
+    # a pool that holds every request at once: preemption would confound the comparison
     common = ["engine.max_model_len=1024", "engine.max_prefill_tokens=1024",
-              "launcher.health_timeout_s=900", *args.overrides]
+              "engine.num_pages=2048", "launcher.health_timeout_s=900", *args.overrides]
     topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
 
     with tempfile.TemporaryDirectory(prefix="pdtopo-interf-") as tmp_s:
