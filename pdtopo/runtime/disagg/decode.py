@@ -59,6 +59,11 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         self.ready_queue: deque[PendingTransfer] = deque()  # KV in the pool, awaiting a slot
         self._pending: dict[str, PendingTransfer] = {}
 
+    def warmup(self) -> None:
+        """The sampler (Scheduler.warmup), then the KV scatter for every page count."""
+        super().warmup()
+        self.kv_manager.warmup_kernels("decode", self.runner.max_pages_per_seq)
+
     # ------------------------------------------------------------------ loop
     def step(self) -> None:
         if self._pending:

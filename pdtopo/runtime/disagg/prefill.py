@@ -46,7 +46,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
     def warmup(self) -> None:
         """P samples only first tokens of prefill batches: compile the sampler for every
         batch bucket on logits shaped and sharded like the runner's, without compiling the
-        decode steps that the engine's warmup would run to make them."""
+        decode steps that the engine's warmup would run to make them; then the KV gather for
+        every page count."""
         import jax
         import jax.numpy as jnp
 
@@ -64,6 +65,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             self.sampler.sample(rows, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
             self.sampler.sample(rows, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
             n *= 2
+        self.kv_manager.warmup_kernels("prefill", self.runner.max_pages_per_seq)
 
     # ------------------------------------------------------------------ loop
     def step(self) -> None:

@@ -1,0 +1,80 @@
+"""A warmed-up P and D pair (real runners, transfer servers and ZMQ side channel, no HTTP)
+serves prompts of every page count and batch size without compiling anything: the step
+shapes, the sampler and the KV gather / scatter are all compiled by the roles' warmups."""
+
+from __future__ import annotations
+
+import random
+
+import jax
+
+from pdtopo.config.compose import compose_config
+from pdtopo.runtime.mesh import build_mesh
+from pdtopo.runtime.model.tokenizer import load_tokenizer
+from pdtopo.runtime.model_runner import ModelRunner, warmup_kinds
+from pdtopo.runtime.request import QueueSink, Req, SamplingParams, new_rid
+from pdtopo.runtime.scheduler_factory import make_scheduler
+from pdtopo.runtime.settings import direct_process_context
+from tests.conftest import free_port
+
+OVERRIDES = ["model.num_layers=2", "engine.num_pages=96", "engine.page_size=8",
+             "engine.max_model_len=96", "engine.max_running_requests=8",
+             "engine.max_prefill_tokens=64", "disaggregation.kv_timeout_s=20"]
+
+
+def _scheduler(cfg, role, tok):
+    ports = {"http": free_port(), "transfer": free_port(), "zmq": free_port()}
+    ctx = direct_process_context(cfg, role=role, name=f"{role}_0", extra={"ports": ports})
+    runner = ModelRunner(cfg.model, cfg.engine, build_mesh(1))
+    runner.warmup(**warmup_kinds(role))
+    sched = make_scheduler(ctx, runner, tok)
+    sched.warmup()
+    return sched
+
+
+def test_warm_pd_pair_compiles_nothing_while_serving():
+    cfg = compose_config(OVERRIDES)
+    tok = load_tokenizer(cfg.model)
+    p, d = _scheduler(cfg, "prefill", tok), _scheduler(cfg, "decode", tok)
+    compiles: list[float] = []
+
+    def on_event(event: str, duration: float, **_kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    p.start()
+    d.start()
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        rng = random.Random(1)
+        # every page count from 1 to the longest prompt, submitted in waves of up to 8
+        lengths = list(range(1, 88, 3))
+        rng.shuffle(lengths)
+        reqs = []
+        for room, n in enumerate(lengths, start=100):
+            prompt = [256] + [rng.randrange(1, 255) for _ in range(n - 1)]
+            new = rng.randrange(1, 96 - n + 1)
+            pair = []
+            for _ in ("prefill", "decode"):
+                r = Req(rid=new_rid(), prompt_ids=list(prompt), sink=QueueSink(),
+                        sampling=SamplingParams(max_new_tokens=new, temperature=0.0,
+                                                ignore_eos=True))
+                r.bootstrap_room = room
+                r.bootstrap_host, r.bootstrap_port = "127.0.0.1", p.kv_manager.channel.port
+                pair.append(r)
+            reqs.append(pair)
+        for i in range(0, len(reqs), 8):
+            wave = reqs[i:i + 8]
+            for rp, rd in wave:
+                d.submit(rd)
+                p.submit(rp)
+            for rp, rd in wave:
+                _, p_out = rp.sink.collect(60)
+                d_ids, d_out = rd.sink.collect(60)
+                assert d_out.finish_reason["type"] == "length", d_out.finish_reason
+                assert len(d_ids) == rd.sampling.max_new_tokens
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+        p.stop()
+        d.stop()
+    assert compiles == [], f"{len(compiles)} XLA compilations while serving"
