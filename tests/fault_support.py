@@ -214,6 +214,14 @@ class Background:
         self._ex = cf.ThreadPoolExecutor(workers)
         self._futs = [self._ex.submit(job) for job in jobs]
 
+    def finished(self) -> dict:
+        """Status counts of the jobs done so far (for failure messages)."""
+        counts: dict = {}
+        for f in self._futs:
+            if f.done() and f.exception() is None:
+                counts[f.result().status] = counts.get(f.result().status, 0) + 1
+        return counts
+
     def result(self, timeout: float = 180) -> list[Outcome]:
         try:
             return [f.result(timeout=timeout) for f in self._futs]
