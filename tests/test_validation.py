@@ -68,6 +68,11 @@ CASES = {
                                                        "unknown host"]),
     "port_out_of_range": (["topology.ports.zmq_base=70000"],
                           ["topology.ports.zmq_base", "70000", "out of range"]),
+    "bad_disaggregation_setting": (["disaggregation.transfer_raw_buffers=yes"],
+                                   ["disaggregation.transfer_raw_buffers", "yes",
+                                    "auto, true or false"]),
+    "bad_kv_timeout": (["disaggregation.kv_timeout_s=0"],
+                       ["disaggregation.kv_timeout_s", "0", "a number > 0"]),
 }
 
 

@@ -401,6 +401,9 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
     engine = OmegaConf.to_container(cfg.engine, resolve=True) if "engine" in cfg else {}
     warnings: list[str] = []
     if topo.mode == "pd":
+        if "disaggregation" in cfg:
+            validate.check_disaggregation(
+                OmegaConf.to_container(cfg.disaggregation, resolve=True))
         allow = bool(OmegaConf.select(cfg, "launcher.allow_incompatible_roles", default=False))
         warnings = validate.check_engine_compat(topo, engine, allow_incompatible=allow)
     servers = _server_processes(cfg, topo, acc, _assign_chips(topo, acc), str(run_dir),

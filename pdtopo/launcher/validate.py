@@ -12,6 +12,7 @@ import ipaddress
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from pdtopo.config.schema import (
     MODES,
@@ -254,6 +255,35 @@ def check_ports(entries: Iterable[tuple[str, str, str, str, int]]) -> None:
             raise TopologyError(key, port, f"port {port} of {name} ({kind}) is also used by "
                                            f"{seen[(address, port)]}")
         seen[(address, port)] = f"{name} ({kind})"
+
+
+# disaggregation.<key>: (check, what the value must be); checked at plan time so a bad value
+# stops `pdtopo launch` (exit 2) instead of failing every P and D process at start
+_DISAGG_RULES: dict[str, tuple[Any, str]] = {
+    "kv_timeout_s": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "sender_expiry_s": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "transfer_size_mb": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "transfer_sockets": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "pull_workers": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "side_channel_max_bytes": (lambda v: _integer(v) and v >= 1024, "an integer >= 1024"),
+    "fault_injection_prob": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "transfer_raw_buffers": (lambda v: v == "auto" or isinstance(v, bool), "auto, true or false"),
+}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_disaggregation(disagg: dict) -> None:
+    """The PD data-plane settings (`disaggregation.*`) every P and D process reads."""
+    for key, (ok, want) in _DISAGG_RULES.items():
+        if key in disagg and not ok(disagg[key]):
+            raise TopologyError(f"disaggregation.{key}", disagg[key], f"must be {want}")
 
 
 def check_engine_compat(topo: TopologySchema, engine: dict, *,
