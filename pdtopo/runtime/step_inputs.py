@@ -119,7 +119,9 @@ class StepGeometry:
         return bucket(tiles * blocks)
 
 
-StepKey = tuple  # (layout, tokens T, rows B, pages per row P, context pages N)
+# (layout, tokens T, rows B, page-table width P (0 for flat), (context pages N, work items I)
+# for flat else 0)
+StepKey = tuple
 
 
 @dataclass
