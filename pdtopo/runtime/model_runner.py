@@ -36,6 +36,7 @@ from pdtopo.runtime.model.config import ModelConfig, model_config_from_cfg
 from pdtopo.runtime.step_inputs import (
     LAYOUTS,
     StepGeometry,
+    StepInputs,
     bucket,
     prepare_step,
     shape_grid,
@@ -213,14 +214,14 @@ class ModelRunner:
                 raise ValueError(f"chunk {i}: page ids must be in [1, {self.num_pages}) "
                                  f"(page 0 is reserved), got {pages.tolist()}")
 
-    def _run(self, key: tuple, arrays: dict[str, Any]) -> jax.Array:
+    def _run(self, step: StepInputs) -> jax.Array:
         put = partial(jax.device_put, device=self._replicated)
-        arrays = jax.tree.map(put, arrays)
+        tokens, positions, md, last_idx = jax.tree.map(
+            put, (step.tokens, step.positions, step.md, step.last_idx))
         with self._lock:
-            logits, self.kv_caches = self._steps[key[0]](
-                self.params, self.kv_caches, arrays["tokens"], arrays["positions"],
-                arrays["md"], arrays["last_idx"])
-            self._shapes.add(key)
+            logits, self.kv_caches = self._steps[step.key[0]](
+                self.params, self.kv_caches, tokens, positions, md, last_idx)
+            self._shapes.add(step.key)
         return logits
 
     def forward(self, chunks: list[SeqChunk], padded: bool = False) -> jax.Array:
@@ -230,8 +231,7 @@ class ModelRunner:
         `self.kv_caches`. On a mesh spanning several processes every process must call forward
         with the same chunks (lockstep) and gets its local copy of the logits."""
         self._validate(chunks)
-        step = prepare_step(chunks, self.geometry)
-        logits = self._run(step.key, step.arrays())
+        logits = self._run(prepare_step(chunks, self.geometry))
         if not logits.is_fully_addressable:
             # multi-process mesh: logits are replicated; sample from this process's copy
             logits = logits.addressable_data(0)
@@ -249,8 +249,8 @@ class ModelRunner:
         for batch in warmup_batches(self.geometry, decode, prefill):
             chunks = [SeqChunk([0] * t, s, [0] * math.ceil((s + t) / self.page_size))
                       for t, s in batch]
-            step = prepare_step(chunks, self.geometry)  # page 0 only: no pool page is touched
-            jax.block_until_ready(self._run(step.key, step.arrays()))
+            # page 0 only: no pool page is touched
+            jax.block_until_ready(self._run(prepare_step(chunks, self.geometry)))
 
 
 def _step(params, kv_caches, tokens, positions, md, last_idx, *, cfg: ModelConfig,

@@ -132,10 +132,6 @@ class StepInputs:
     md: AttentionMetadata
     last_idx: np.ndarray   # [rows] flat index of each sequence's last token (logit rows)
 
-    def arrays(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "positions": self.positions, "md": self.md,
-                "last_idx": self.last_idx}
-
 
 def choose_layout(lens: Sequence[int], geometry: StepGeometry) -> str:
     if geometry.layout_kind == "ragged":
