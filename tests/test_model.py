@@ -96,7 +96,7 @@ def test_rope_llama3_scaling_changes_only_low_frequencies():
     a, b = llama.rope_inv_freq(base), llama.rope_inv_freq(scaled)
     assert a[0] == b[0]  # highest frequency untouched
     np.testing.assert_allclose(b[-1], a[-1] / 8.0, rtol=1e-6)  # lowest divided by factor
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+    with pytest.raises(ValueError, match="rope_scaling.rope_type='yarn'"):
         model_config_from_cfg(_tiny(rope_scaling={"type": "yarn", "factor": 2.0}))
 
 

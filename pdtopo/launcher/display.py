@@ -19,7 +19,8 @@ def console(stderr: bool = False) -> Console:
 
 def print_topology_error(err: TopologyError, con: Console | None = None) -> None:
     con = con or console(stderr=True)
-    con.print(f"[bold red]topology error[/] in [bold]{err.key}[/] = [bold]{err.value!r}[/]: "
+    kind = getattr(err, "kind", "topology")  # "model" for the model pre-flight's errors
+    con.print(f"[bold red]{kind} error[/] in [bold]{err.key}[/] = [bold]{err.value!r}[/]: "
               f"{err.message}", soft_wrap=True)
 
 

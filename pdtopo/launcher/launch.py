@@ -1,8 +1,9 @@
 """The launch and render jobs: composed config -> validated plan -> run dir -> supervisord.
 
 `prepare` does everything that can fail on bad input without touching disk or processes
-(plan expansion + validation, supervisord.conf rendering). `render_job` then writes the run
-dir; `launch_job` additionally checks host ports, starts supervisord, waits for every program's
+(plan expansion + validation, supervisord.conf rendering); the model pre-flight
+(`preflight.check_model`: config.json, checkpoint headers, tp vs heads) reads the checkpoint
+but starts nothing. `render_job` then writes the run dir; `launch_job` additionally checks host ports, starts supervisord, waits for every program's
 health in start order with a live table, prints endpoints and either returns (detach), runs the
 `bench` config against it and tears down (multirun jobs: `pdtopo.bench.job`, whatever happens;
 the job's ports are waited for, a previous job may still be releasing them), or stays up until
@@ -28,6 +29,7 @@ from pdtopo.launcher import display, hosts
 from pdtopo.launcher.health import wait_for_programs
 from pdtopo.launcher.plan import Plan, expand_plan
 from pdtopo.launcher.ports import wait_ports_free
+from pdtopo.launcher.preflight import check_model
 from pdtopo.launcher.render_supervisord import ProgramSettings, render_supervisord
 from pdtopo.launcher.run_dir import holds_deployment, new_token, remove_if_empty, write_run_dir
 from pdtopo.launcher.supervisor_control import Supervisor, SupervisorError, teardown
@@ -105,6 +107,8 @@ def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool,
             raise TopologyError("hydra.run.dir", str(sv_dir),
                                 "already holds a deployment; pick a new run dir")
         prepared = prepare(cfg, sv_dir, token=token, host=host)
+        # launch: strict (the programs start here); render: a dry run (see preflight)
+        prepared.plan.warnings += check_model(cfg, prepared.plan, strict=check_ports)
         for warning in prepared.plan.warnings:
             con.print(f"[bold yellow]WARNING:[/] {warning}", highlight=False)
         if check_ports:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdtopo.runtime.metrics import EngineMetrics
+from pdtopo.runtime.model.architectures import ARCH_TRAITS
 from pdtopo.runtime.request import (
     AsyncSink,
     InvalidRequest,
@@ -24,7 +25,6 @@ from pdtopo.runtime.request import (
     new_rid,
 )
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DISAGG_MODE = {"colocated": "null", "prefill": "prefill", "decode": "decode"}
 
 
@@ -95,7 +95,9 @@ class ServerState:
         return int(self.ctx.process.get("mesh", {}).get("tp", 1))
 
     def model_info(self) -> dict[str, Any]:
-        arch = str(self.ctx.cfg.model.get("architecture", "llama"))
+        loaded = getattr(self.runner, "config", None)  # the checkpoint's, once loaded
+        arch = loaded.architecture if loaded else str(self.ctx.cfg.model.get("architecture")
+                                                      or "llama")
         return {
             "model_path": self.local_model_dir(),
             "tokenizer_path": self.local_model_dir(),
@@ -105,7 +107,7 @@ class ServerState:
             "tp_size": self.tp_size,
             "disaggregation_mode": DISAGG_MODE.get(self.ctx.role, self.ctx.role),
             "model_type": arch,
-            "architectures": [ARCHITECTURES.get(arch, arch)],
+            "architectures": [ARCH_TRAITS[arch].hf_class if arch in ARCH_TRAITS else arch],
         }
 
     def require_engine(self):

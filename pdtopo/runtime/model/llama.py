@@ -1,4 +1,4 @@
-"""Llama-family decoder in JAX (Llama and Qwen2): parameters, sharding and the forward pass.
+"""Llama-family decoder in JAX (Llama, Qwen2, Qwen3): parameters, sharding and the forward pass.
 
 Parameters are a plain pytree (see `param_shapes`): weights are stored `[in, out]` so a layer is
 `x @ w`. `param_specs` gives each leaf's PartitionSpec over the "tp" mesh axis (Megatron style:
@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pdtopo.runtime.model.config import ModelConfig
+from pdtopo.runtime.model.shapes import check_tp, layer_param_shapes, param_shapes  # noqa: F401
 
 Params = dict[str, Any]
 # attention(layer, q [T,H,D], k [T,KVH,D], v [T,KVH,D]) -> out [T,H,D]
@@ -35,53 +36,12 @@ def resolve_dtype(name: str, key: str = "engine.dtype") -> jnp.dtype:
     return jnp.dtype(DTYPES[str(name)])
 
 
-def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {
-        "attn_norm": (h,),
-        "wq": (h, cfg.q_size),
-        "wk": (h, cfg.kv_size),
-        "wv": (h, cfg.kv_size),
-        "wo": (cfg.q_size, h),
-        "mlp_norm": (h,),
-        "w_gate": (h, i),
-        "w_up": (h, i),
-        "w_down": (i, h),
-    }
-    if cfg.qkv_bias:
-        shapes.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
-    return shapes
-
-
-def param_shapes(cfg: ModelConfig) -> Params:
-    """The parameter pytree with shapes as leaves."""
-    shapes: Params = {
-        "embed": (cfg.vocab_size, cfg.hidden_size),
-        "layers": [layer_param_shapes(cfg) for _ in range(cfg.num_layers)],
-        "final_norm": (cfg.hidden_size,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
-    return shapes
-
-
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise a clear error when the model cannot be split over `tp` devices."""
-    for key, value in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
-                       ("intermediate_size", cfg.intermediate_size)):
-        if value % tp:
-            raise ValueError(
-                f"tensor parallelism tp={tp} needs model.{key} % tp == 0, but "
-                f"model.{key}={value} ({cfg.name}): KV heads, attention heads and the MLP are "
-                f"split across the tp devices; choose a tp that divides {value}"
-            )
-
-
 _LAYER_SPECS = {
     "attn_norm": P(), "mlp_norm": P(),
     "wq": P(None, "tp"), "wk": P(None, "tp"), "wv": P(None, "tp"),
     "bq": P("tp"), "bk": P("tp"), "bv": P("tp"),
-    "wo": P("tp", None),
+    "q_norm": P(), "k_norm": P(),
+    "wo": P("tp", None), "bo": P(),
     "w_gate": P(None, "tp"), "w_up": P(None, "tp"),
     "w_down": P("tp", None),
 }
@@ -151,13 +111,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = cfg.rope_scaling
-    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
-        factor = float(rs["factor"])
-        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-        old_len = float(rs["original_max_position_embeddings"])
+    """Inverse frequencies [head_dim/2] of the model's RoPE (`cfg.rope`: default, linear,
+    llama3), computed in float64 and rounded once."""
+    d, rope = cfg.head_dim, cfg.rope
+    inv = 1.0 / (rope.theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if rope.kind == "linear":
+        inv = inv / rope.factor
+    elif rope.kind == "llama3":
+        factor = float(rope.factor)
+        low, high = float(rope.low_freq_factor), float(rope.high_freq_factor)
+        old_len = float(rope.original_max_position_embeddings)
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > old_len / low, inv / factor, inv)
         smooth = (old_len / wavelen - low) / (high - low)
@@ -189,11 +152,17 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, position
         q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
         if cfg.qkv_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         o = attention(i, q, k, v).astype(x.dtype)
         x = x + o.reshape(t, cfg.q_size) @ lp["wo"]
+        if cfg.o_bias:
+            x = x + lp["bo"]
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
