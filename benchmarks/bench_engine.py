@@ -19,11 +19,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from pdtopo.config.compose import compose_config  # noqa: E402
-from pdtopo.runtime.mesh import build_mesh  # noqa: E402
+from pdtopo.runtime.engine.mesh import build_mesh  # noqa: E402
+from pdtopo.runtime.engine.model_runner import ModelRunner  # noqa: E402
+from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams  # noqa: E402
+from pdtopo.runtime.engine.scheduler import Scheduler  # noqa: E402
 from pdtopo.runtime.model.tokenizer import load_tokenizer  # noqa: E402
-from pdtopo.runtime.model_runner import ModelRunner  # noqa: E402
-from pdtopo.runtime.request import QueueSink, Req, SamplingParams  # noqa: E402
-from pdtopo.runtime.scheduler import Scheduler  # noqa: E402
 from pdtopo.runtime.settings import direct_process_context  # noqa: E402
 
 DEFAULTS = ["engine.max_running_requests=16", "engine.max_prefill_tokens=256",

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from omegaconf import OmegaConf
 
-from pdtopo.runtime.model_runner import SeqChunk
+from pdtopo.runtime.engine.model_runner import SeqChunk
 from pdtopo.runtime.settings import direct_process_context
 
 VOCAB = 64

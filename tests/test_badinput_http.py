@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pdtopo.runtime.bootstrap_protocol import Heartbeat, Registration
+from pdtopo.runtime.bootstrap.protocol import Heartbeat, Registration
 from tests.test_bootstrap import TOKEN, _start, _stop
 
 pytestmark = pytest.mark.slow

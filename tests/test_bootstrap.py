@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from pdtopo.runtime.bootstrap_client import BootstrapClient, BootstrapError, RegistrationKeeper
-from pdtopo.runtime.bootstrap_protocol import Registration
-from pdtopo.runtime.bootstrap_registry import InstanceRegistry
+from pdtopo.runtime.bootstrap.client import BootstrapClient, BootstrapError, RegistrationKeeper
+from pdtopo.runtime.bootstrap.protocol import Registration
+from pdtopo.runtime.bootstrap.registry import InstanceRegistry
 from tests.conftest import free_port
 
 TOKEN = "test-token-123"

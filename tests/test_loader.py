@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 from safetensors.numpy import save_file
 
 from pdtopo.config.compose import compose_config
-from pdtopo.runtime.mesh import build_mesh
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk
 from pdtopo.runtime.model.config import model_config_from_cfg
 from pdtopo.runtime.model.loader import load_host_params
 from pdtopo.runtime.model.tokenizer import HFTokenizer, StreamDecoder, load_tokenizer
-from pdtopo.runtime.model_runner import ModelRunner, SeqChunk
 
 V, H, FF, L, NH, KVH, D = 320, 32, 48, 2, 4, 2, 8
 THETA, EPS = 500.0, 1e-6

@@ -13,13 +13,13 @@ import jax
 import pytest
 
 from pdtopo.config.compose import compose_config
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.model_runner import ModelRunner
+from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
+from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.local.engine import build_local_engine
 from pdtopo.runtime.local.threads import InjectedCrash
-from pdtopo.runtime.mesh import build_mesh
 from pdtopo.runtime.model.tokenizer import load_tokenizer
-from pdtopo.runtime.model_runner import ModelRunner
-from pdtopo.runtime.request import QueueSink, Req, SamplingParams, new_rid
-from pdtopo.runtime.scheduler import Scheduler
 from pdtopo.runtime.settings import direct_process_context
 
 ENGINE = ["model.num_layers=2", "engine.num_pages=48", "engine.page_size=8",

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from pdtopo.config.compose import compose_config
-from pdtopo.runtime import attention as attn
-from pdtopo.runtime.mesh import build_mesh
+from pdtopo.runtime.engine import attention as attn
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.model_runner import SeqChunk, bucket
 from pdtopo.runtime.model import llama
 from pdtopo.runtime.model.config import model_config_from_cfg
 from pdtopo.runtime.model.tokenizer import (
@@ -19,7 +20,6 @@ from pdtopo.runtime.model.tokenizer import (
     StreamDecoder,
     load_tokenizer,
 )
-from pdtopo.runtime.model_runner import SeqChunk, bucket
 
 
 def _tiny(**over):
@@ -101,7 +101,7 @@ def test_rope_llama3_scaling_changes_only_low_frequencies():
 
 
 def _geometry(page_size, layout_kind="paged", block_pages=16):
-    from pdtopo.runtime.step_inputs import StepGeometry
+    from pdtopo.runtime.engine.step_inputs import StepGeometry
 
     return StepGeometry(page_size=page_size, max_pages=6, max_rows=4, max_prefill_tokens=16,
                         layout_kind=layout_kind, block_tokens=block_pages * page_size)
@@ -136,7 +136,7 @@ def test_gather_attention_matches_dense_and_ragged_reference(chunks):
         ref_ragged_paged_attention,
     )
 
-    from pdtopo.runtime.step_inputs import prepare_step
+    from pdtopo.runtime.engine.step_inputs import prepare_step
 
     rng = np.random.default_rng(0)
     ps, kvh, h, d, npages = 4, 2, 4, 8, 24

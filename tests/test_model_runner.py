@@ -7,9 +7,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from pdtopo.config.compose import compose_config
-from pdtopo.runtime.mesh import build_mesh
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk, bucket
 from pdtopo.runtime.model import llama
-from pdtopo.runtime.model_runner import ModelRunner, SeqChunk, bucket
 
 PAGE = 4  # small pages: short prompts still span several pages
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdtopo.runtime.page_allocator import OutOfPages, PageAllocator
+from pdtopo.runtime.engine.page_allocator import OutOfPages, PageAllocator
 
 
 def test_page_zero_is_never_handed_out():

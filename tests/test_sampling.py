@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdtopo.runtime.request import InvalidRequest, SamplingParams
-from pdtopo.runtime.sampling import RowParams, Sampler, request_key
+from pdtopo.runtime.engine.request import InvalidRequest, SamplingParams
+from pdtopo.runtime.engine.sampling import RowParams, Sampler, request_key
 
 VOCAB = 64
 

@@ -8,8 +8,8 @@ import time
 import pytest
 from scheduler_fakes import EOS, FakeRunner, FakeTokenizer, make_ctx, reference
 
-from pdtopo.runtime.request import QueueSink, Req, SamplingParams
-from pdtopo.runtime.scheduler import Scheduler
+from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
+from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.scheduler_factory import make_scheduler
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from pdtopo.config.compose import compose_config
-from pdtopo.runtime.mesh import build_mesh
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.model_runner import ModelRunner
+from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
+from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.model.tokenizer import load_tokenizer
-from pdtopo.runtime.model_runner import ModelRunner
-from pdtopo.runtime.request import QueueSink, Req, SamplingParams
-from pdtopo.runtime.scheduler import Scheduler
 from pdtopo.runtime.settings import direct_process_context
 
 PROMPT_LENS = [3, 11, 1, 25, 7, 14, 2, 17]

@@ -12,18 +12,18 @@ import jax
 import pytest
 
 from pdtopo.config.compose import compose_config
-from pdtopo.runtime.mesh import build_mesh
-from pdtopo.runtime.model.tokenizer import load_tokenizer
-from pdtopo.runtime.model_runner import ModelRunner
-from pdtopo.runtime.request import QueueSink, Req, SamplingParams
-from pdtopo.runtime.scheduler import Scheduler
-from pdtopo.runtime.settings import direct_process_context
-from pdtopo.runtime.step_inputs import (
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.model_runner import ModelRunner
+from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
+from pdtopo.runtime.engine.scheduler import Scheduler
+from pdtopo.runtime.engine.step_inputs import (
     WORK_FIELDS,
     StepGeometry,
     prepare_step,
     shape_grid,
 )
+from pdtopo.runtime.model.tokenizer import load_tokenizer
+from pdtopo.runtime.settings import direct_process_context
 
 
 class Chunk(NamedTuple):

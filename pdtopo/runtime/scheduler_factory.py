@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pdtopo.runtime.disagg.decode import SchedulerDisaggregationDecodeMixin
 from pdtopo.runtime.disagg.prefill import SchedulerDisaggregationPrefillMixin
-from pdtopo.runtime.scheduler import Scheduler
+from pdtopo.runtime.engine.scheduler import Scheduler
 
 
 class PrefillScheduler(SchedulerDisaggregationPrefillMixin, Scheduler):

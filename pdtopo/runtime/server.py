@@ -89,8 +89,8 @@ ENGINE_BUILDERS = {"local": "pdtopo.runtime.local.engine"}
 
 def build_engine(ctx: ProcessContext, tokenizer, metrics):
     """One mesh, one runner and the role's scheduler (P, D or colocated), warmed up."""
-    from pdtopo.runtime.mesh import build_mesh
-    from pdtopo.runtime.model_runner import ModelRunner, warmup_kinds
+    from pdtopo.runtime.engine.mesh import build_mesh
+    from pdtopo.runtime.engine.model_runner import ModelRunner, warmup_kinds
     from pdtopo.runtime.scheduler_factory import make_scheduler
 
     cfg = ctx.cfg

@@ -28,8 +28,8 @@ from pdtopo.runtime.api.streaming import (
     merged_outputs,
     sse,
 )
-from pdtopo.runtime.metrics import CONTENT_TYPE
-from pdtopo.runtime.request import InvalidRequest, ReqOutput, SamplingParams
+from pdtopo.runtime.engine.metrics import CONTENT_TYPE
+from pdtopo.runtime.engine.request import InvalidRequest, ReqOutput, SamplingParams
 
 
 def _per_item(value: Any, n: int, field_name: str, batch: bool) -> list[Any]:

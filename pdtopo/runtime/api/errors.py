@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from pdtopo.runtime.api.state import EngineUnavailable
-from pdtopo.runtime.request import InvalidRequest
+from pdtopo.runtime.engine.request import InvalidRequest
 
 log = logging.getLogger("pdtopo.api")
 

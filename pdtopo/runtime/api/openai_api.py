@@ -32,7 +32,7 @@ from pdtopo.runtime.api.streaming import (
     openai_finish_reason,
     sse,
 )
-from pdtopo.runtime.request import InvalidRequest, new_rid
+from pdtopo.runtime.engine.request import InvalidRequest, new_rid
 
 
 def _sampling_dict(body: _OpenAICommon, max_tokens: int | None) -> dict[str, Any]:

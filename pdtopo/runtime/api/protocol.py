@@ -83,7 +83,7 @@ async def parse_body(request, model: type[BaseModel]):
 
     from pydantic import ValidationError
 
-    from pdtopo.runtime.request import InvalidRequest
+    from pdtopo.runtime.engine.request import InvalidRequest
 
     raw = await request.body()
     try:

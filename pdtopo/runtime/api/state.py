@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdtopo.runtime.metrics import EngineMetrics
-from pdtopo.runtime.model.architectures import ARCH_TRAITS
-from pdtopo.runtime.request import (
+from pdtopo.runtime.engine.metrics import EngineMetrics
+from pdtopo.runtime.engine.request import (
     AsyncSink,
     InvalidRequest,
     Req,
@@ -24,6 +23,7 @@ from pdtopo.runtime.request import (
     SamplingParams,
     new_rid,
 )
+from pdtopo.runtime.model.architectures import ARCH_TRAITS
 
 DISAGG_MODE = {"colocated": "null", "prefill": "prefill", "decode": "decode"}
 

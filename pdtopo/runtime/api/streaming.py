@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 
 from pdtopo.runtime.api.state import Handle
-from pdtopo.runtime.request import ReqOutput
+from pdtopo.runtime.engine.request import ReqOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdtopo.runtime.disagg.base import KVTransferError
-from pdtopo.runtime.disagg.common import PENDING_POLL_S, DisaggregationMixinBase
 from pdtopo.runtime.disagg.kvpoll import KVPoll
+from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
 from pdtopo.runtime.disagg.peers import PeerDirectory
-from pdtopo.runtime.request import FinishReason, Req
+from pdtopo.runtime.engine.request import FinishReason, Req
 
 log = logging.getLogger("pdtopo.disagg.decode")
 

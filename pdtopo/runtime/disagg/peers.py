@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pdtopo.runtime.disagg.common import compatibility_problems
+from pdtopo.runtime.disagg.mixin_base import compatibility_problems
 
 Lookup = Callable[[str, int], dict[str, Any]]
 

@@ -27,9 +27,9 @@ import time
 from typing import Any
 
 from pdtopo.runtime.disagg.base import KVTransferError
-from pdtopo.runtime.disagg.common import PENDING_POLL_S, DisaggregationMixinBase
 from pdtopo.runtime.disagg.kvpoll import KVPoll
-from pdtopo.runtime.request import FinishReason, Req
+from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
+from pdtopo.runtime.engine.request import FinishReason, Req
 
 log = logging.getLogger("pdtopo.disagg.prefill")
 
@@ -51,8 +51,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         import jax
         import jax.numpy as jnp
 
-        from pdtopo.runtime.model_runner import bucket
-        from pdtopo.runtime.sampling import RowParams
+        from pdtopo.runtime.engine.model_runner import bucket
+        from pdtopo.runtime.engine.sampling import RowParams
 
         (page,) = self.allocator.alloc(1)
         try:

@@ -8,7 +8,7 @@ A process entry of a multi-process instance (plan.json, written by the launcher)
 `ClusterSpec.from_context(ctx)` validates that block (every error names the key and value);
 `initialize(spec)` calls `jax.distributed.initialize` (gloo collectives on the CPU backend) before
 anything else touches JAX, after which `jax.devices()` lists the devices of every process of the
-instance and the instance mesh (`pdtopo.runtime.mesh.build_mesh`) spans them all.
+instance and the instance mesh (`pdtopo.runtime.engine.mesh.build_mesh`) spans them all.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class Follower:
 
     # ------------------------------------------------------------------ commands
     def _op_forward(self, msg: dict[str, Any]) -> None:
-        from pdtopo.runtime.model_runner import SeqChunk
+        from pdtopo.runtime.engine.model_runner import SeqChunk
 
         chunks = [SeqChunk(list(t), int(s), list(p)) for t, s, p in msg["chunks"]]
         self.runner.forward(chunks)
@@ -185,8 +185,8 @@ class Follower:
 
 
 def follower_registration(ctx: Any, runner: Any, transfer_addr: str):
-    from pdtopo.runtime.bootstrap_protocol import Registration
-    from pdtopo.runtime.disagg.common import model_identity
+    from pdtopo.runtime.bootstrap.protocol import Registration
+    from pdtopo.runtime.disagg.mixin_base import model_identity
 
     cfg = ctx.cfg
     http = ctx.ports.get("http")
@@ -204,11 +204,11 @@ def follower_registration(ctx: Any, runner: Any, transfer_addr: str):
 
 def run_follower(ctx: Any, spec: ClusterSpec) -> int:
     """The follower's whole life (JAX cluster already initialized). Returns an exit code."""
-    from pdtopo.runtime.bootstrap_client import BootstrapClient, RegistrationKeeper
+    from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
     from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
     from pdtopo.runtime.distributed.health import HealthServer
-    from pdtopo.runtime.mesh import build_mesh
-    from pdtopo.runtime.model_runner import ModelRunner, warmup_kinds
+    from pdtopo.runtime.engine.mesh import build_mesh
+    from pdtopo.runtime.engine.model_runner import ModelRunner, warmup_kinds
     from pdtopo.runtime.server import enable_compilation_cache
 
     cfg = ctx.cfg

@@ -22,10 +22,10 @@ import queue
 from typing import Any
 
 from pdtopo.kernels import insert_kv_chunks
+from pdtopo.runtime.engine.request import FinishReason, Req
 from pdtopo.runtime.local.board import DecodeLoad
-from pdtopo.runtime.local.common import LocalEngineMixin
+from pdtopo.runtime.local.engine_mixin import LocalEngineMixin
 from pdtopo.runtime.local.transfer import KV_READY, TransferItem
-from pdtopo.runtime.request import FinishReason, Req
 
 log = logging.getLogger("pdtopo.local.decode")
 

@@ -25,6 +25,10 @@ from typing import Any
 import jax
 from omegaconf import OmegaConf
 
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.metrics import EngineMetrics
+from pdtopo.runtime.engine.model_runner import ModelRunner
+from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.local.board import DecodeLoad, RequestBoard
 from pdtopo.runtime.local.decode import LocalDecodeMixin
 from pdtopo.runtime.local.metrics_view import EngineMetricsView, GaugeBoard
@@ -33,10 +37,6 @@ from pdtopo.runtime.local.prefill import LocalPrefillMixin
 from pdtopo.runtime.local.slices import LocalLayout, layout_from_topology
 from pdtopo.runtime.local.threads import CrashHandler, FaultInjector, crash_process
 from pdtopo.runtime.local.transfer import TransferWorker
-from pdtopo.runtime.mesh import build_mesh
-from pdtopo.runtime.metrics import EngineMetrics
-from pdtopo.runtime.model_runner import ModelRunner
-from pdtopo.runtime.scheduler import Scheduler
 
 log = logging.getLogger("pdtopo.local")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from pdtopo.runtime.metrics import EngineMetrics
+from pdtopo.runtime.engine.metrics import EngineMetrics
 
 SUMMED = ("num_running", "num_queue", "gen_throughput", "free_pages", "total_pages")
 

@@ -24,10 +24,10 @@ import queue
 import threading
 from typing import Any
 
+from pdtopo.runtime.engine.request import FinishReason
 from pdtopo.runtime.local.board import DecodeLoad, RequestBoard
 from pdtopo.runtime.local.threads import CrashHandler, WorkerThread
 from pdtopo.runtime.local.transfer import TransferItem, TransferWorker
-from pdtopo.runtime.request import FinishReason
 
 log = logging.getLogger("pdtopo.local")
 

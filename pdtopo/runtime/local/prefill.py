@@ -20,9 +20,9 @@ import logging
 from typing import Any
 
 from pdtopo.kernels import select_from_kv_caches
-from pdtopo.runtime.local.common import LocalEngineMixin
+from pdtopo.runtime.engine.request import FinishReason, Req
+from pdtopo.runtime.local.engine_mixin import LocalEngineMixin
 from pdtopo.runtime.local.transfer import TransferItem, put_until
-from pdtopo.runtime.request import FinishReason, Req
 
 log = logging.getLogger("pdtopo.local.prefill")
 

@@ -4,7 +4,7 @@ Parameters are a plain pytree (see `param_shapes`): weights are stored `[in, out
 `x @ w`. `param_specs` gives each leaf's PartitionSpec over the "tp" mesh axis (Megatron style:
 q/k/v/gate/up column parallel, o/down row parallel; XLA inserts the all-reduce after the row
 parallel matmuls). `forward_hidden` runs the decoder over a flat token array; attention goes
-through a callable so the same code serves the paged runner (`pdtopo.runtime.attention`) and
+through a callable so the same code serves the paged runner (`pdtopo.runtime.engine.attention`) and
 the dense, unpaged reference (`dense_forward`) used by tests.
 """
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from pdtopo.runtime.bootstrap_protocol import Heartbeat, Registration
+from pdtopo.runtime.bootstrap.protocol import Heartbeat, Registration
 
 log = logging.getLogger("pdtopo.bootstrap_client")
 

@@ -16,7 +16,7 @@ warmup (`shape_grid`) and never compiles while serving. Three layouts:
   ragged  the TPU ragged paged-attention kernel's inputs (per-sequence page tables, cumulative
           query lengths); its key keeps the batch and page buckets.
 
-Attention (pdtopo.runtime.attention) walks the context block by block (`block_pages` pages per
+Attention (pdtopo.runtime.engine.attention) walks the context block by block (`block_pages` pages per
 block) with an online softmax, only as far as the data goes, so padded tables cost nothing but a
 few int32s: a decode step visits `num_blocks` blocks for the whole batch; a flat step runs a
 list of work items (`work_block`, `work_row`: one tile of `tile_tokens` query rows of one

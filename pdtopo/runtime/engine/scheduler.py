@@ -47,10 +47,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdtopo.runtime.metrics import EngineMetrics
-from pdtopo.runtime.page_allocator import OutOfPages, PageAllocator
-from pdtopo.runtime.request import FinishReason, Req, ReqOutput, ReqStatus
-from pdtopo.runtime.sampling import RowParams, Sampler
+from pdtopo.runtime.engine.metrics import EngineMetrics
+from pdtopo.runtime.engine.page_allocator import OutOfPages, PageAllocator
+from pdtopo.runtime.engine.request import FinishReason, Req, ReqOutput, ReqStatus
+from pdtopo.runtime.engine.sampling import RowParams, Sampler
 
 log = logging.getLogger("pdtopo.scheduler")
 
@@ -58,7 +58,7 @@ _STOP = object()
 
 
 def _seq_chunk_cls():
-    from pdtopo.runtime.model_runner import SeqChunk
+    from pdtopo.runtime.engine.model_runner import SeqChunk
 
     return SeqChunk
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from pdtopo.runtime.engine.request import Req
 from pdtopo.runtime.local.board import RequestBoard
 from pdtopo.runtime.local.threads import CrashHandler, FaultInjector, WorkerThread
-from pdtopo.runtime.request import Req
 
 
 class LocalEngineMixin:

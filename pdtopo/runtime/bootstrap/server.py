@@ -22,8 +22,8 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from pdtopo.runtime.bootstrap_protocol import Heartbeat, Registration, Role
-from pdtopo.runtime.bootstrap_registry import InstanceRegistry
+from pdtopo.runtime.bootstrap.protocol import Heartbeat, Registration, Role
+from pdtopo.runtime.bootstrap.registry import InstanceRegistry
 
 log = logging.getLogger("pdtopo.bootstrap")
 
@@ -146,7 +146,3 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("no deployment token: set PDTOPO_DEPLOYMENT_TOKEN or pass --token")
     log.info("bootstrap server on http://%s:%d (ttl %.1fs)", host, port, ttl)
     uvicorn.run(create_app(token, ttl_s=ttl), host=host, port=port, log_level="warning")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Paged attention behind one function: `paged_attention(q, k, v, k_pool, v_pool, md, ...)`.
 
-Data flow for one layer of one engine step (inputs from pdtopo.runtime.step_inputs):
+Data flow for one layer of one engine step (inputs from pdtopo.runtime.engine.step_inputs):
   1. the new tokens' K/V ([T, kv_heads, head_dim]) are scattered into the layer's pool pages at
      (`md.slot_pages`, `md.slot_offsets`); padded tokens target page 0, the reserved page;
   2. each query attends to its own sequence's context, causally masked by absolute position.
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pdtopo.runtime.step_inputs import AttentionMetadata
+from pdtopo.runtime.engine.step_inputs import AttentionMetadata
 
 IMPLS = ("auto", "pallas", "gather")
 _MASKED = -1e30  # finite so that fully masked (padding) rows give no NaN

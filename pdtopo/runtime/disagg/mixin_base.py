@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdtopo.runtime.bootstrap_client import BootstrapClient, RegistrationKeeper
-from pdtopo.runtime.bootstrap_protocol import Registration
+from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
+from pdtopo.runtime.bootstrap.protocol import Registration
 from pdtopo.runtime.disagg.base import KVArgs, PoolTransferSpec
 from pdtopo.runtime.disagg.jax_transfer import JaxTransferKVManager
 

@@ -2,12 +2,12 @@
 
 The scheduler thread owns the runner. Each step it calls `forward(chunks)` with one `SeqChunk`
 per sequence: prefill chunks (many tokens), decode chunks (one token) or a mix. The runner
-  1. builds the step's padded host inputs (`pdtopo.runtime.step_inputs.prepare_step`): a decode
+  1. builds the step's padded host inputs (`pdtopo.runtime.engine.step_inputs.prepare_step`): a decode
      step's shape depends on its batch bucket only, a prefill step's on its token bucket only,
      so the set of shapes is finite and small (`shape_grid`), `warmup` compiles all of it and
      steady-state serving never compiles; padded tokens write their K/V to the reserved page 0;
   2. runs the jitted step of that layout (`_step`): decoder forward with paged attention
-     (`pdtopo.runtime.attention`), writing the new K/V into `kv_caches` (donated, updated in
+     (`pdtopo.runtime.engine.attention`), writing the new K/V into `kv_caches` (donated, updated in
      place) and returning float32 logits at each chunk's last token.
 KV pool format (docs/architecture.md): 2*L arrays `[num_pages, page_size, kv_heads, head_dim]`
 ordered k_0, v_0, k_1, v_1, ..., sharded `P(None, None, "tp", None)`.
@@ -30,10 +30,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from omegaconf import DictConfig, OmegaConf
 
-from pdtopo.runtime import attention as attn
-from pdtopo.runtime.model import llama
-from pdtopo.runtime.model.config import ModelConfig, model_config_from_cfg
-from pdtopo.runtime.step_inputs import (
+from pdtopo.runtime.engine import attention as attn
+from pdtopo.runtime.engine.step_inputs import (
     LAYOUTS,
     StepGeometry,
     StepInputs,
@@ -42,6 +40,8 @@ from pdtopo.runtime.step_inputs import (
     shape_grid,
     warmup_batches,
 )
+from pdtopo.runtime.model import llama
+from pdtopo.runtime.model.config import ModelConfig, model_config_from_cfg
 
 log = logging.getLogger(__name__)
 

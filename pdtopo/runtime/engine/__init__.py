@@ -1,0 +1,8 @@
+"""The serving engine, one process's worth: requests in, tokens out, over a paged KV pool.
+
+request.py (Req, sampling params, sinks) -> scheduler.py (admission, batching, preemption; the
+extension points the P/D mixins override) -> model_runner.py (weights, KV pool, one jitted
+forward per step) over step_inputs.py (the closed set of step shapes) and attention.py
+(paged attention); sampling.py, page_allocator.py, metrics.py and mesh.py serve them. Nothing
+here knows about disaggregation, local mode, HTTP or multi-process instances.
+"""

@@ -1,0 +1,159 @@
+"""The package's import graph, read statically (every module parsed, imports inside functions
+included): no cycles; the engine knows nothing of disaggregation, local mode, HTTP or
+multi-process instances; the launcher uses no runtime internals; benchmarks use pdtopo, never
+tests/; and a function-level import of pdtopo's own code, or of anything not deferred on
+purpose, is a finding."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "pdtopo"
+
+# Function-level imports kept on purpose: a heavy or optional dependency that a light entry
+# point (the CLI, the launcher, a pure planner) must not pay for (top-level package names).
+DEFERRED_ON_PURPOSE = {
+    "jax", "jaxlib", "uvicorn", "torch", "transformers", "matplotlib", "kubernetes_validate",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+    """The pdtopo module an imported dotted name refers to (a module or a name in one)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported dotted name, line, inside a function?) of every import in `path`."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = _module_name(path) if path.name == "__init__.py" else \
+        _module_name(path).rpartition(".")[0]
+    found: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, nested) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                found.extend((f"{base}.{a.name}" if base else a.name, child.lineno, nested)
+                             for a in child.names)
+            elif not isinstance(child, ast.If) or not _is_type_checking(child):
+                visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+GRAPH = {
+    mod: sorted({target for name, _, _ in _imports(path)
+                 if (target := _resolve(name)) and target != mod})
+    for mod, path in MODULES.items()
+}
+
+
+def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, []):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def _is_package_parent(child: str, parent: str) -> bool:
+    """`parent` is a package __init__ that `child` lives in (its own package, not a cycle)."""
+    return child.startswith(parent + ".")
+
+
+def test_no_import_cycles():
+    # a module importing its own package's __init__ is how Python loads it, not a cycle
+    graph = {m: [t for t in ts if not _is_package_parent(m, t)] for m, ts in GRAPH.items()}
+    assert _cycles(graph) == []
+
+
+@pytest.mark.parametrize("room,forbidden", [
+    ("pdtopo.runtime.engine", ("pdtopo.runtime.disagg", "pdtopo.runtime.local",
+                               "pdtopo.runtime.api", "pdtopo.runtime.distributed",
+                               "pdtopo.runtime.server", "pdtopo.runtime.scheduler_factory",
+                               "pdtopo.launcher", "pdtopo.bench")),
+    ("pdtopo.launcher", ("pdtopo.runtime",)),
+    ("pdtopo.config", ("pdtopo.runtime", "pdtopo.launcher", "pdtopo.bench")),
+    ("pdtopo.bench", ("pdtopo.runtime",)),
+])
+def test_rooms_import_only_what_they_may(room, forbidden):
+    bad = [(mod, target) for mod, targets in GRAPH.items()
+           if mod == room or mod.startswith(room + ".")
+           for target in targets if any(target == f or target.startswith(f + ".")
+                                        for f in forbidden)]
+    assert bad == []
+
+
+def test_function_level_imports_are_deferred_dependencies_only():
+    bad = []
+    for mod, path in MODULES.items():
+        for name, line, nested in _imports(path):
+            if nested and name.split(".")[0] not in DEFERRED_ON_PURPOSE:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert bad == []
+
+
+def test_benchmarks_do_not_import_tests():
+    bad = [f"{p.name}:{line} {name}" for p in sorted((ROOT / "benchmarks").glob("*.py"))
+           for name, line, _ in _imports(p) if name.split(".")[0] == "tests"]
+    assert bad == []
+
+
+def test_the_graph_sees_known_edges():
+    """The reader is not blind: edges that must exist are found."""
+    assert "pdtopo.runtime.engine.scheduler" in GRAPH["pdtopo.runtime.scheduler_factory"]
+    assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
