@@ -1,38 +1,49 @@
-"""OpenAI-compatible routes: POST /v1/completions and POST /v1/chat/completions (+ streaming).
+"""OpenAI-compatible routes, as one `APIRouter` (`router`): POST /v1/completions and
+POST /v1/chat/completions, each answered whole or streamed as SSE chunks (`stream: true`).
 
-OpenAI fields map onto pdtopo's sampling values (`max_tokens` / `max_completion_tokens` ->
-max_new_tokens, `seed`, `stop`, plus the sglang extensions top_k, ignore_eos, stop_token_ids);
-chat prompts are rendered with the tokenizer's chat template. Unsupported options (n > 1,
-logprobs, echo, non-zero penalties) are 400s naming the field.
+Each handler gets the server's `ServerState` through the `ServerDep` dependency (`routing.py`),
+tokenizes its prompt(s) (a completion's prompt: text, texts, ids or lists of ids; a chat's
+messages: rendered with the tokenizer's chat template), maps the OpenAI fields onto pdtopo's
+sampling values (`max_tokens` / `max_completion_tokens` -> max_new_tokens, `seed`, `stop`, plus
+the sglang extensions top_k, ignore_eos, stop_token_ids), validates everything before it submits
+one `Req` per prompt, and then builds the `text_completion` / `chat.completion` body or its
+chunks from the handles' outputs. Unsupported options (n > 1, logprobs, echo, non-zero
+penalties) are 400s naming the field.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Request
 
-from pdtopo.runtime.api.errors import error_response
 from pdtopo.runtime.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _OpenAICommon,
     parse_body,
 )
-from pdtopo.runtime.api.state import Handle, ServerState
+from pdtopo.runtime.api.routing import (
+    ServerDep,
+    event_stream,
+    finished_or_error,
+    stream_error_event,
+)
+from pdtopo.runtime.api.state import Handle, Prepared, ServerState
 from pdtopo.runtime.api.streaming import (
     SSE_DONE,
-    ClientDisconnected,
     TextView,
     abort_error,
-    collect,
     merged_outputs,
     openai_finish_reason,
     sse,
 )
 from pdtopo.runtime.engine.request import InvalidRequest, new_rid
+
+router = APIRouter()
 
 
 def _sampling_dict(body: _OpenAICommon, max_tokens: int | None) -> dict[str, Any]:
@@ -58,7 +69,7 @@ def _rename_field(exc: InvalidRequest, mapping: dict[str, str]) -> InvalidReques
 
 
 def _prepare(state: ServerState, prompt_ids: list[int], body: _OpenAICommon,
-             max_tokens: int | None, max_tokens_name: str, prompt_field: str):
+             max_tokens: int | None, max_tokens_name: str, prompt_field: str) -> Prepared:
     mapping = {"max_new_tokens": max_tokens_name}
     try:
         sp = _sampling_dict(body, max_tokens)
@@ -82,129 +93,163 @@ def _usage(handles: list[Handle]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _first_error(handles: list[Handle]) -> JSONResponse | None:
-    for h in handles:
-        err = abort_error(h.final)
+def _include_usage(body: _OpenAICommon) -> bool:
+    """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+@dataclass(frozen=True)
+class _Envelope:
+    """What every body and chunk of one response starts with."""
+
+    id: str
+    model: str
+    created: int
+
+    def fields(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def _envelope(state: ServerState, body: _OpenAICommon, rid: str) -> _Envelope:
+    return _Envelope(rid, body.model or state.served_model_name, int(time.time()))
+
+
+# ---------------------------------------------------------------- /v1/completions
+def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """A completion's `prompt` (a text, texts, token ids or lists of ids) as token ids."""
+    if isinstance(prompt, str):
+        return [state.encode_text(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
+        return [state.encode_text(x, f"prompt[{i}]") for i, x in enumerate(prompt)]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return [state.check_ids(x, f"prompt[{i}]") for i, x in enumerate(prompt)]
+    return [state.check_ids(prompt, "prompt")]
+
+
+def _submit_completions(state: ServerState, body: CompletionRequest) -> tuple[str, list[Handle]]:
+    """Validate every prompt, then submit them: (the response id, one handle per prompt)."""
+    prompts = _completion_prompts(state, body.prompt)
+    prepared = [_prepare(state, ids, body, body.max_tokens, "max_tokens",
+                         "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                for i, ids in enumerate(prompts)]
+    base = body.rid or f"cmpl-{new_rid()}"
+    handles = [state.submit(pr, rid=base if len(prepared) == 1 else f"{base}_{i}",
+                            **_bootstrap(body, i)) for i, pr in enumerate(prepared)]
+    return base, handles
+
+
+def _completion_body(env: _Envelope, handles: list[Handle],
+                     views: list[TextView]) -> dict[str, Any]:
+    choices = [{"index": i, "text": v.visible(h.output_ids, h.final), "logprobs": None,
+                "finish_reason": openai_finish_reason(h.final)}
+               for i, (h, v) in enumerate(zip(handles, views, strict=True))]
+    return {**env.fields("text_completion"), "choices": choices, "usage": _usage(handles)}
+
+
+async def _completion_events(env: _Envelope, handles: list[Handle], views: list[TextView],
+                             include_usage: bool) -> AsyncIterator[str]:
+    """One chunk per output with new visible text (or a finish), then usage, then [DONE]."""
+    async for i, out in merged_outputs(handles):
+        h = handles[i]
+        err = abort_error(out) if out.finished else None
         if err is not None:
-            return error_response(err[0], f"request {h.rid}: {err[1]}")
-    return None
+            yield stream_error_event(h, err)
+            continue
+        ids = h.output_ids[:out.num_output_tokens]
+        delta = views[i].delta(ids, out if out.finished else None)
+        if not delta and not out.finished:
+            continue
+        yield sse({**env.fields("text_completion"), "choices": [{
+            "index": i, "text": delta, "logprobs": None,
+            "finish_reason": openai_finish_reason(out) if out.finished else None}]})
+    if include_usage:
+        yield sse({**env.fields("text_completion"), "choices": [], "usage": _usage(handles)})
+    yield SSE_DONE
 
 
-def install_openai_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await parse_body(request, CompletionRequest)
-        state.require_engine()
-        if body.echo:
-            raise InvalidRequest("echo", "echo is not supported")
-        p = body.prompt
-        if isinstance(p, str):
-            prompts = [state.encode_text(p, "prompt")]
-        elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            prompts = [state.encode_text(x, f"prompt[{i}]") for i, x in enumerate(p)]
-        elif isinstance(p, list) and p and isinstance(p[0], list):
-            prompts = [state.check_ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
-        else:
-            prompts = [state.check_ids(p, "prompt")]
-        prepared = [_prepare(state, ids, body, body.max_tokens, "max_tokens",
-                             "prompt" if len(prompts) == 1 else f"prompt[{i}]")
-                    for i, ids in enumerate(prompts)]
-        base = body.rid or f"cmpl-{new_rid()}"
-        handles = [state.submit(pr, rid=base if len(prepared) == 1 else f"{base}_{i}",
-                                **_bootstrap(body, i)) for i, pr in enumerate(prepared)]
-        views = [TextView(state.tokenizer, h) for h in handles]
-        model = body.model or state.served_model_name
-        created = int(time.time())
-        if body.stream:
-            return StreamingResponse(_completion_stream(base, model, created, handles, views,
-                                                        body), media_type="text/event-stream")
-        try:
-            await collect(handles, request)
-        except ClientDisconnected:
-            return error_response(499, "client disconnected")
-        if (err := _first_error(handles)) is not None:
-            return err
-        choices = [{"index": i, "text": v.visible(h.output_ids, h.final), "logprobs": None,
-                    "finish_reason": openai_finish_reason(h.final)}
-                   for i, (h, v) in enumerate(zip(handles, views, strict=True))]
-        return {"id": base, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(handles)}
+@router.post("/v1/completions")
+async def completions(request: Request, state: ServerDep):
+    body = await parse_body(request, CompletionRequest)
+    state.require_engine()
+    if body.echo:
+        raise InvalidRequest("echo", "echo is not supported")
+    base, handles = _submit_completions(state, body)
+    views = [TextView(state.tokenizer, h) for h in handles]
+    env = _envelope(state, body, base)
+    if body.stream:
+        return event_stream(_completion_events(env, handles, views, _include_usage(body)))
+    if (err := await finished_or_error(handles, request)) is not None:
+        return err
+    return _completion_body(env, handles, views)
 
-    async def _completion_stream(cid, model, created, handles, views, body):
-        async for i, out in merged_outputs(handles):
-            h = handles[i]
-            err = abort_error(out) if out.finished else None
-            if err is not None:
-                yield sse({"error": {"message": f"request {h.rid}: {err[1]}", "code": err[0]}})
-                continue
-            ids = h.output_ids[:out.num_output_tokens]
-            delta = views[i].delta(ids, out if out.finished else None)
-            if not delta and not out.finished:
-                continue
-            yield sse({"id": cid, "object": "text_completion", "created": created,
-                       "model": model, "choices": [{
-                           "index": i, "text": delta, "logprobs": None,
-                           "finish_reason": openai_finish_reason(out) if out.finished else None}]})
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse({"id": cid, "object": "text_completion", "created": created,
-                       "model": model, "choices": [], "usage": _usage(handles)})
-        yield SSE_DONE
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await parse_body(request, ChatCompletionRequest)
-        state.require_engine()
-        tok = state.tokenizer
-        messages = [m.model_dump() for m in body.messages]
-        try:
-            text = tok.apply_chat_template(messages)
-        except ValueError as e:
-            raise InvalidRequest("messages", str(e)) from None
-        has_bos = bool(getattr(tok, "bos_token", "")) and text.startswith(tok.bos_token)
-        ids = state.encode_text(text, "messages", add_special_tokens=not has_bos)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-            else body.max_tokens
-        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        prepared = _prepare(state, ids, body, max_tokens, name, "messages")
-        cid = body.rid or f"chatcmpl-{new_rid()}"
-        h = state.submit(prepared, rid=cid, **_bootstrap(body, 0))
-        view = TextView(tok, h)
-        model = body.model or state.served_model_name
-        created = int(time.time())
-        if body.stream:
-            return StreamingResponse(_chat_stream(cid, model, created, h, view, body),
-                                     media_type="text/event-stream")
-        try:
-            await collect([h], request)
-        except ClientDisconnected:
-            return error_response(499, "client disconnected")
-        if (err := _first_error([h])) is not None:
-            return err
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant",
-                                                     "content": view.visible(h.output_ids, h.final)},
-                             "logprobs": None, "finish_reason": openai_finish_reason(h.final)}],
-                "usage": _usage([h])}
+# ---------------------------------------------------------------- /v1/chat/completions
+def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """The messages rendered with the chat template, tokenized (no second BOS)."""
+    tok = state.tokenizer
+    messages = [m.model_dump() for m in body.messages]
+    try:
+        text = tok.apply_chat_template(messages)
+    except ValueError as e:
+        raise InvalidRequest("messages", str(e)) from None
+    has_bos = bool(getattr(tok, "bos_token", "")) and text.startswith(tok.bos_token)
+    return state.encode_text(text, "messages", add_special_tokens=not has_bos)
 
-    async def _chat_stream(cid, model, created, h, view, body):
-        def chunk(delta, finish=None):
-            return sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                        "model": model, "choices": [{"index": 0, "delta": delta,
-                                                     "logprobs": None, "finish_reason": finish}]})
 
-        yield chunk({"role": "assistant", "content": ""})
-        async for _, out in merged_outputs([h]):
-            err = abort_error(out) if out.finished else None
-            if err is not None:
-                yield sse({"error": {"message": f"request {h.rid}: {err[1]}", "code": err[0]}})
-                continue
-            ids = h.output_ids[:out.num_output_tokens]
-            delta = view.delta(ids, out if out.finished else None)
-            if delta:
-                yield chunk({"content": delta})
-            if out.finished:
-                yield chunk({}, openai_finish_reason(out))
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                       "model": model, "choices": [], "usage": _usage([h])})
-        yield SSE_DONE
+def _chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
+    """(the token limit, the field it came from): max_completion_tokens over max_tokens."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+def _chat_body(env: _Envelope, h: Handle, view: TextView) -> dict[str, Any]:
+    message = {"role": "assistant", "content": view.visible(h.output_ids, h.final)}
+    return {**env.fields("chat.completion"),
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": openai_finish_reason(h.final)}],
+            "usage": _usage([h])}
+
+
+def _chat_chunk(env: _Envelope, delta: dict[str, Any], finish: str | None = None) -> str:
+    return sse({**env.fields("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": finish}]})
+
+
+async def _chat_events(env: _Envelope, h: Handle, view: TextView,
+                       include_usage: bool) -> AsyncIterator[str]:
+    """The assistant role, content deltas, a finish chunk, then usage, then [DONE]."""
+    yield _chat_chunk(env, {"role": "assistant", "content": ""})
+    async for _, out in merged_outputs([h]):
+        err = abort_error(out) if out.finished else None
+        if err is not None:
+            yield stream_error_event(h, err)
+            continue
+        ids = h.output_ids[:out.num_output_tokens]
+        delta = view.delta(ids, out if out.finished else None)
+        if delta:
+            yield _chat_chunk(env, {"content": delta})
+        if out.finished:
+            yield _chat_chunk(env, {}, openai_finish_reason(out))
+    if include_usage:
+        yield sse({**env.fields("chat.completion.chunk"), "choices": [], "usage": _usage([h])})
+    yield SSE_DONE
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, state: ServerDep):
+    body = await parse_body(request, ChatCompletionRequest)
+    state.require_engine()
+    ids = _chat_prompt_ids(state, body)
+    max_tokens, max_tokens_name = _chat_max_tokens(body)
+    prepared = _prepare(state, ids, body, max_tokens, max_tokens_name, "messages")
+    cid = body.rid or f"chatcmpl-{new_rid()}"
+    h = state.submit(prepared, rid=cid, **_bootstrap(body, 0))
+    view = TextView(state.tokenizer, h)
+    env = _envelope(state, body, cid)
+    if body.stream:
+        return event_stream(_chat_events(env, h, view, _include_usage(body)))
+    if (err := await finished_or_error([h], request)) is not None:
+        return err
+    return _chat_body(env, h, view)
