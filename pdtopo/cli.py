@@ -16,14 +16,24 @@ import argparse
 import sys
 from pathlib import Path
 
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from pdtopo.bench.cli import main as bench_main
+from pdtopo.config.compose import compose_config, conf_dir
+from pdtopo.config.run_files import resolve_run_dir
+from pdtopo.config.schema import TopologyError
+from pdtopo.launcher import diff, display, operate
+from pdtopo.launcher.hosts import resolve_host_run
+from pdtopo.launcher.hydra_app import run_app
+from pdtopo.launcher.k8s_job import FORMATS, render_k8s_job
+from pdtopo.launcher.launch import LaunchOptions, host_cpus, launch_job, render_job
+
 USAGE = __doc__.split("\n\n", 1)[1]
 EXIT_USAGE = 2
 
 
 def _launch(argv: list[str]) -> int:
-    from pdtopo.launcher.hydra_app import run_app
-    from pdtopo.launcher.launch import LaunchOptions, launch_job
-
     detach = "--detach" in argv
     rest = [a for a in argv if a != "--detach"]
     return run_app("launch", rest, lambda cfg, run, multi: launch_job(
@@ -31,10 +41,6 @@ def _launch(argv: list[str]) -> int:
 
 
 def _render(argv: list[str]) -> int:
-    from pdtopo.launcher.hydra_app import run_app
-    from pdtopo.launcher.k8s_job import FORMATS, render_k8s_job
-    from pdtopo.launcher.launch import render_job
-
     fmt, rest, i = "supervisord", [], 0
     while i < len(argv):  # --format k8s | --format=k8s (before Hydra sees the arguments)
         if argv[i] == "--format" or argv[i].startswith("--format="):
@@ -53,10 +59,6 @@ def _render(argv: list[str]) -> int:
 
 
 def _run_dir_verb(verb: str, argv: list[str]) -> int:
-    from pdtopo.launcher import operate
-    from pdtopo.launcher.hosts import resolve_host_run
-    from pdtopo.launcher.run_dir import resolve_run_dir
-
     parser = argparse.ArgumentParser(prog=f"pdtopo {verb}")
     if verb == "logs":
         parser.add_argument("program")
@@ -77,14 +79,6 @@ def _run_dir_verb(verb: str, argv: list[str]) -> int:
 
 
 def _diff(argv: list[str]) -> int:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from pdtopo.config.compose import compose_config, conf_dir
-    from pdtopo.config.schema import TopologyError
-    from pdtopo.launcher import diff, display
-    from pdtopo.launcher.launch import host_cpus
-
     parser = argparse.ArgumentParser(prog="pdtopo diff")
     parser.add_argument("--rev", default=None, help="compare conf/ at this git revision")
     parser.add_argument("--format", choices=("rich", "markdown"), default="rich")
@@ -142,8 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     if verb == "diff":
         return _diff(rest)
     if verb == "bench":
-        from pdtopo.bench.cli import main as bench_main
-
         return bench_main(rest)
     print(f"pdtopo: unknown command {verb!r}\nusage:\n{USAGE}", file=sys.stderr)
     return EXIT_USAGE

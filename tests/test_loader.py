@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 from safetensors.numpy import save_file
 
 from pdtopo.config.compose import compose_config
+from pdtopo.model_config.spec import model_config_from_cfg
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk
-from pdtopo.runtime.model.config import model_config_from_cfg
 from pdtopo.runtime.model.loader import load_host_params
 from pdtopo.runtime.model.tokenizer import HFTokenizer, StreamDecoder, load_tokenizer
 

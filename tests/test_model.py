@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from pdtopo.config.compose import compose_config
+from pdtopo.model_config.spec import model_config_from_cfg
 from pdtopo.runtime.engine import attention as attn
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import SeqChunk, bucket
 from pdtopo.runtime.model import llama
-from pdtopo.runtime.model.config import model_config_from_cfg
 from pdtopo.runtime.model.tokenizer import (
     BYTE_BOS,
     BYTE_EOS,

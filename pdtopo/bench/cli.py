@@ -11,19 +11,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdtopo.launcher import display
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+from rich.console import Console
+
+from pdtopo.bench.report import metrics_table, write_json
+from pdtopo.bench.run import default_url, run_bench
+from pdtopo.bench.settings import BenchConfigError, BenchSettings
+from pdtopo.config.compose import compose_config
+from pdtopo.config.run_files import resolve_run_dir
 
 
 def main(argv: list[str]) -> int:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from pdtopo.bench.report import metrics_table, write_json
-    from pdtopo.bench.run import default_url, run_bench
-    from pdtopo.bench.settings import BenchConfigError, BenchSettings
-    from pdtopo.config.compose import compose_config
-    from pdtopo.launcher.run_dir import resolve_run_dir
-
     parser = argparse.ArgumentParser(prog="pdtopo bench")
     parser.add_argument("--output", "-o", default=None, help="write the metrics JSON here")
     parser.add_argument("--run-dir", default=None, help="bench this run (default: latest)")
@@ -31,7 +30,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     urls = [a for a in args.args if a.startswith(("http://", "https://"))]
     overrides = [a for a in args.args if a not in urls]
-    err = display.console(stderr=True)
+    err = Console(stderr=True, highlight=False)
     if len(urls) > 1:
         err.print(f"[bold red]pdtopo bench:[/] give at most one URL, got {urls}")
         return 2
@@ -43,7 +42,7 @@ def main(argv: list[str]) -> int:
             OmegaConfBaseException) as exc:
         err.print(f"[bold red]pdtopo bench:[/] {exc}", soft_wrap=True)
         return 2
-    con = display.console()
+    con = Console(highlight=False)
     con.print(f"benchmarking {url}: {settings.num_requests} requests at "
               f"{settings.request_rate} req/s ({settings.arrival}), "
               f"concurrency <= {settings.max_concurrency}")

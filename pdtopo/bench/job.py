@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
@@ -29,10 +30,8 @@ METRICS_FILE = "metrics.json"
 def job_overrides() -> list[str]:
     """The job's command-line overrides (empty outside a Hydra job)."""
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         return list(HydraConfig.get().overrides.task)
-    except (ImportError, ValueError):
+    except ValueError:
         return []
 
 

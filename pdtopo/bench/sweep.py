@@ -18,7 +18,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pdtopo.bench.job import JOB_FILE, METRICS_FILE
+from hydra.core.utils import JobStatus
+from hydra.experimental.callback import Callback
+from rich.console import Console
+from rich.table import Table
+
+from pdtopo.bench.job import JOB_FILE, METRICS_FILE, record_job
 
 LOAD_KEYS = ("bench.request_rate", "bench.max_concurrency", "bench.num_requests")
 COLUMNS = [  # (header, getter path in metrics stats or job, digits)
@@ -118,10 +123,10 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def write_plot(rows: list[dict], path: Path, title: str = "pdtopo sweep") -> None:
-    import matplotlib
+    import matplotlib  # deferred: heavy, and only the sweep summary plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: after choosing the Agg backend
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     groups: dict[str, list[dict]] = {}
@@ -169,9 +174,6 @@ COMPACT = ("req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "E
 
 def print_summary(rows: list[dict], sweep_dir: Path) -> None:
     """One-screen table of the sweep (the files hold every column)."""
-    from rich.console import Console
-    from rich.table import Table
-
     con = Console(width=None if Console().is_terminal else 140)
     table = Table(title=f"sweep summary ({sweep_dir})", title_justify="left")
     for h in ("job", "swept", "status"):
@@ -192,23 +194,15 @@ def print_summary(rows: list[dict], sweep_dir: Path) -> None:
     con.print(f"written: {', '.join(str(sweep_dir / f) for f in SUMMARY_FILES)}")
 
 
-try:
-    from hydra.experimental.callback import Callback
-except ImportError:  # pragma: no cover
-    Callback = object  # type: ignore[misc,assignment]
 
 
 class SweepSummary(Callback):  # type: ignore[misc]
     """Hydra callback: summary of a multirun's benchmark jobs at the end of the sweep."""
 
     def on_job_end(self, config, job_return, **kwargs) -> None:  # noqa: ARG002
-        from hydra.core.utils import JobStatus
-
         out_dir = Path(str(config.hydra.runtime.output_dir))
         if job_return.status == JobStatus.FAILED and not (out_dir / JOB_FILE).exists() \
                 and out_dir.is_dir():
-            from pdtopo.bench.job import record_job
-
             record_job(out_dir, "failed", error=repr(job_return._return_value), exit_code=1)
 
     def on_multirun_end(self, config, **kwargs) -> None:  # noqa: ARG002

@@ -104,7 +104,7 @@ class TopologySchema:
     decode: RoleSchema = field(default_factory=RoleSchema)
     colocated: RoleSchema = field(default_factory=RoleSchema)
     # mode local: chips of the in-process prefill / decode engines, e.g. "4", "2x2", ["2", "2"]
-    # (pdtopo.runtime.local.slices); the prefill/decode role sections are not used then
+    # (pdtopo.config.local_slices); the prefill/decode role sections are not used then
     prefill_slices: Any = None
     decode_slices: Any = None
 

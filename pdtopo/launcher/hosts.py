@@ -21,9 +21,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from pdtopo.config.run_files import TOKEN_ENV
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.plan import Plan
-from pdtopo.runtime.settings import TOKEN_ENV
+from pdtopo.launcher.run_dir import resolved_config
 
 HOSTS_DIR = "hosts"
 HOST_KEY = "host"  # `+host=NAME` on the command line
@@ -122,8 +123,6 @@ def resolve_host_run(run: Path) -> Path:
 def write_global(run_dir: Path, cfg: DictConfig, plan: Plan, token: str) -> None:
     """RUN/config.yaml, plan.json and token of a multi-host render (no supervisord.conf:
     each host's is under RUN/hosts/NAME)."""
-    from pdtopo.launcher.run_dir import resolved_config
-
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(resolved_config(cfg))

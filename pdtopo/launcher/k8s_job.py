@@ -13,13 +13,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from pdtopo.config.run_files import TOKEN_FILE
 from pdtopo.config.schema import TopologyError, typed_proxy
 from pdtopo.launcher import display
 from pdtopo.launcher.k8s_plan import k8s_plan
 from pdtopo.launcher.launch import render_job
 from pdtopo.launcher.plan import expand_plan
 from pdtopo.launcher.render_k8s import render_k8s, write_k8s_dir
-from pdtopo.launcher.run_dir import TOKEN_FILE, remove_if_empty, resolved_config
+from pdtopo.launcher.run_dir import remove_if_empty, resolved_config
 
 FORMATS = ("supervisord", "k8s")
 

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.live import Live
 
 from pdtopo.bench.job import bench_job, record_job
+from pdtopo.config.run_files import holds_deployment
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher import display, hosts
 from pdtopo.launcher.health import wait_for_programs
@@ -31,7 +32,7 @@ from pdtopo.launcher.plan import Plan, expand_plan
 from pdtopo.launcher.ports import wait_ports_free
 from pdtopo.launcher.preflight import check_model
 from pdtopo.launcher.render_supervisord import ProgramSettings, render_supervisord
-from pdtopo.launcher.run_dir import holds_deployment, new_token, remove_if_empty, write_run_dir
+from pdtopo.launcher.run_dir import new_token, remove_if_empty, write_run_dir
 from pdtopo.launcher.supervisor_control import Supervisor, SupervisorError, teardown
 
 LOG_TAIL_LINES = 40

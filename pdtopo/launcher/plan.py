@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pdtopo.config.local_slices import local_layout
 from pdtopo.config.schema import (
     PORT_KINDS,
     ProxySchema,
@@ -266,8 +267,6 @@ def _server_ports(topo: TopologySchema, s: _Server, k: int) -> tuple[dict[str, i
 
 def local_process_layout(topo: TopologySchema) -> tuple[list[int], RoleSchema]:
     """Chips and role spec (mesh: engine -> devices) of the one program of mode local."""
-    from pdtopo.runtime.local.slices import local_layout
-
     layout = local_layout(topo.prefill_slices, topo.decode_slices)
     return list(range(layout.num_chips)), replace(topo.prefill, mesh=layout.mesh_summary())
 

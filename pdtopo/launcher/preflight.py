@@ -23,10 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.plan import Plan
-from pdtopo.runtime.model.checkpoint import check_checkpoint
-from pdtopo.runtime.model.config import ModelConfig, model_config_from_cfg
-from pdtopo.runtime.model.errors import CheckpointError
-from pdtopo.runtime.model.shapes import check_tp
+from pdtopo.model_config.errors import CheckpointError
+from pdtopo.model_config.shapes import check_tp
+from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
+from pdtopo.model_config.tensors import check_checkpoint
 
 SERVING_ROLES = ("prefill", "decode", "colocated", "local")
 LOCAL_SLICE_KEYS = {"prefill": "topology.prefill_slices", "decode": "topology.decode_slices"}

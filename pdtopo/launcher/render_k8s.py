@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from pdtopo.config.run_files import CONFIG_FILE, PLAN_FILE, TOKEN_ENV
 from pdtopo.launcher.k8s_plan import (
     GROUP_REF,
     GROUP_VAR,
@@ -36,7 +37,6 @@ from pdtopo.launcher.k8s_plan import (
 )
 from pdtopo.launcher.plan import API_KEY_ENV, Plan, Process
 from pdtopo.launcher.tpu_env import accelerator_spec
-from pdtopo.runtime.settings import CONFIG_FILE, PLAN_FILE, TOKEN_ENV
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"

@@ -15,8 +15,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import PurePath
 
+from pdtopo.config.run_files import TOKEN_ENV
 from pdtopo.launcher.plan import Plan, Process
-from pdtopo.runtime.settings import TOKEN_ENV
 
 SOCKET_NAME = "supervisor.sock"
 MAX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux (104 on macOS); keep a margin

@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from sglang_router.launch_router import launch_router, parse_router_args
+
 API_KEY_ENV = "PDTOPO_PROXY_API_KEY"
 API_KEY_FILE_ENV = "PDTOPO_PROXY_API_KEY_FILE"
 
@@ -42,8 +44,6 @@ def read_api_key(environ: dict[str, str] | os._Environ = os.environ) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sglang_router.launch_router import launch_router, parse_router_args
-
     args = parse_router_args(sys.argv[1:] if argv is None else argv)
     args.api_key = read_api_key()
     launch_router(args)

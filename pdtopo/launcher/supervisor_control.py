@@ -20,7 +20,7 @@ from typing import Any
 
 from supervisor.xmlrpc import SupervisorTransport
 
-from pdtopo.launcher.run_dir import CONF_FILE
+from pdtopo.config.run_files import CONF_FILE
 
 
 class SupervisorError(RuntimeError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pdtopo.runtime.disagg.decode import SchedulerDisaggregationDecodeMixin
 from pdtopo.runtime.disagg.prefill import SchedulerDisaggregationPrefillMixin
+from pdtopo.runtime.distributed.leader import attach_leader
 from pdtopo.runtime.engine.scheduler import Scheduler
 
 
@@ -35,7 +36,5 @@ def make_scheduler(ctx, runner, tokenizer, metrics=None) -> Scheduler:
     if cls is None:
         raise ValueError(f"process {ctx.name!r} has role {ctx.role!r}: a server needs one of "
                          f"{', '.join(SCHEDULERS)}")
-    from pdtopo.runtime.distributed.leader import attach_leader
-
     runner = attach_leader(ctx, runner)  # multi-process instance: followers in lockstep
     return cls(ctx, runner, tokenizer, metrics=metrics)

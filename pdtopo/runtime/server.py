@@ -14,17 +14,21 @@ thread is stopped (in-flight requests end with an abort).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 import uvicorn
 
+from pdtopo.config.compose import compose_config
 from pdtopo.runtime.api.app import create_app
 from pdtopo.runtime.api.state import ServerState
+from pdtopo.runtime.compilation_cache import enable_compilation_cache
+from pdtopo.runtime.distributed import start_process
+from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.settings import ProcessContext, direct_process_context, load_process_context
 
 log = logging.getLogger("pdtopo.server")
@@ -53,8 +57,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build_context(args: argparse.Namespace) -> ProcessContext:
     if args.run_dir:
         return load_process_context(args.run_dir, args.process)
-    from pdtopo.config.compose import compose_config
-
     cfg = compose_config(args.overrides)
     host = args.host or str(cfg.server.bind_host or "127.0.0.1")
     return direct_process_context(cfg, port=args.port, host=host)
@@ -67,21 +69,6 @@ def apply_cpu_affinity(ctx: ProcessContext) -> None:
         log.info("CPU affinity: %s", sorted(int(c) for c in cpus))
 
 
-def enable_compilation_cache(cache_dir: str | None) -> None:
-    """JAX's persistent compilation cache: a restarted or sibling process with the same model
-    and shapes loads compiled steps from disk instead of compiling them again."""
-    if not cache_dir:
-        return
-    import jax
-
-    path = Path(str(cache_dir)).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    log.info("JAX compilation cache: %s", path)
-
-
 # role -> module whose `build_server_engine(ctx, tokenizer, metrics)` assembles the engine
 # (default: `build_engine` below). Local disaggregation runs several engines in one process.
 ENGINE_BUILDERS = {"local": "pdtopo.runtime.local.engine"}
@@ -89,6 +76,7 @@ ENGINE_BUILDERS = {"local": "pdtopo.runtime.local.engine"}
 
 def build_engine(ctx: ProcessContext, tokenizer, metrics):
     """One mesh, one runner and the role's scheduler (P, D or colocated), warmed up."""
+    # deferred: these import JAX, which loads on the loader thread while /health answers 503
     from pdtopo.runtime.engine.mesh import build_mesh
     from pdtopo.runtime.engine.model_runner import ModelRunner, warmup_kinds
     from pdtopo.runtime.scheduler_factory import make_scheduler
@@ -108,10 +96,6 @@ def build_engine(ctx: ProcessContext, tokenizer, metrics):
 
 def load_engine(state: ServerState) -> None:
     """Build tokenizer, runner(s), scheduler; warm up; start the scheduler thread(s)."""
-    import importlib
-
-    from pdtopo.runtime.model.tokenizer import load_tokenizer
-
     ctx = state.ctx
     cfg = ctx.cfg
     enable_compilation_cache(cfg.get("launcher", {}).get("compilation_cache_dir"))
@@ -145,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ctx = build_context(args)
     apply_cpu_affinity(ctx)
-    from pdtopo.runtime.distributed import start_process
-
     rc = start_process(ctx)  # multi-process instance: join its JAX cluster; a follower ends here
     if rc is not None:
         return rc

@@ -23,9 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-TOKEN_ENV = "PDTOPO_DEPLOYMENT_TOKEN"
-CONFIG_FILE = "config.yaml"
-PLAN_FILE = "plan.json"
+from pdtopo.config.run_files import CONFIG_FILE, PLAN_FILE, TOKEN_ENV
 
 
 @dataclass(frozen=True)

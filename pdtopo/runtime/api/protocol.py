@@ -8,9 +8,12 @@ unknown sampling parameters are rejected there.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdtopo.runtime.engine.request import InvalidRequest
 
 Scalar = str | int | None
 
@@ -79,12 +82,6 @@ class ChatCompletionRequest(_OpenAICommon):
 
 async def parse_body(request, model: type[BaseModel]):
     """Read a JSON body whatever its Content-Type; shape errors become InvalidRequest (400)."""
-    import json
-
-    from pydantic import ValidationError
-
-    from pdtopo.runtime.engine.request import InvalidRequest
-
     raw = await request.body()
     try:
         data = json.loads(raw) if raw else None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdtopo.model_config.architectures import ARCH_TRAITS
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.request import (
     AsyncSink,
@@ -23,7 +24,6 @@ from pdtopo.runtime.engine.request import (
     SamplingParams,
     new_rid,
 )
-from pdtopo.runtime.model.architectures import ARCH_TRAITS
 
 DISAGG_MODE = {"colocated": "null", "prefill": "prefill", "decode": "decode"}
 

@@ -18,12 +18,14 @@ import contextlib
 import logging
 import secrets
 
+import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from pdtopo.runtime.bootstrap.protocol import Heartbeat, Registration, Role
 from pdtopo.runtime.bootstrap.registry import InstanceRegistry
+from pdtopo.runtime.settings import load_process_context
 
 log = logging.getLogger("pdtopo.bootstrap")
 
@@ -118,8 +120,6 @@ def create_app(token: str, ttl_s: float = 15.0, sweep_interval_s: float = 1.0) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
     parser = argparse.ArgumentParser(prog="python -m pdtopo.runtime.bootstrap")
     parser.add_argument("--run-dir", help="launcher run directory (config.yaml, plan.json)")
     parser.add_argument("--process", default="bootstrap", help="this program's plan entry")
@@ -132,8 +132,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     if args.run_dir:
-        from pdtopo.runtime.settings import load_process_context
-
         ctx = load_process_context(args.run_dir, args.process)
         host = args.host or ctx.bind_host
         port = int(ctx.ports.get("http") or ctx.cfg.topology.bootstrap.port)

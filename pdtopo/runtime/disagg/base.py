@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 
 MAIN_KV = "main_kv"
@@ -44,7 +46,7 @@ class SpecMismatchError(KVTransferError):
 
 def sharding_meta(sharding: Any) -> dict[str, Any]:
     """A JSON description of a sharding: mesh axes (name -> size), partition spec, devices."""
-    import jax
+    import jax  # deferred: the disaggregation modules stay importable without JAX
 
     if isinstance(sharding, jax.sharding.NamedSharding):
         mesh = sharding.mesh
@@ -124,7 +126,7 @@ class PoolTransferSpec:
 
     def packed_specs(self, num_pages: int) -> list[Any]:
         """ShapeDtypeStructs (with this pool's sharding) to pull `num_pages` packed pages."""
-        import jax
+        import jax  # deferred: the disaggregation modules stay importable without JAX
 
         shape = (int(num_pages), *self.shape[1:])
         return [jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.sharding)
@@ -152,8 +154,6 @@ class PackedMeta:
 
     @property
     def nbytes(self) -> int:
-        import numpy as np
-
         n = 1
         for d in self.shape:
             n *= int(d)

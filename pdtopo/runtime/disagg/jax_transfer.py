@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from pdtopo.runtime.disagg import messages as m
 from pdtopo.runtime.disagg.base import (
     BaseKVManager,
@@ -68,14 +70,14 @@ ScatterFn = Callable[[list[Any], list[Any], Sequence[int]], list[Any]]
 
 
 def _default_gather(kv_caches, page_ids):
-    from pdtopo.kernels import select_from_kv_caches
+    from pdtopo.kernels import select_from_kv_caches  # deferred: the kernels import JAX
 
     return select_from_kv_caches(kv_caches, page_ids)
 
 
 def _make_default_scatter(impl: str) -> ScatterFn:
     def scatter(kv_caches, packed, page_ids):
-        from pdtopo.kernels import insert_kv_chunks
+        from pdtopo.kernels import insert_kv_chunks  # deferred: the kernels import JAX
 
         return insert_kv_chunks(kv_caches, packed, page_ids, impl=impl)
 
@@ -342,8 +344,7 @@ class JaxTransferKVManager(BaseKVManager):
         Call before serving, while every pool page is free: P reads pages 1..n, D writes zeros
         over the zeros there. Skipped on a multi-process instance (its other processes would
         have to run the same programs in lockstep). Returns the page counts warmed."""
-        import jax
-        import numpy as np
+        import jax  # deferred: the disaggregation modules stay importable without JAX
 
         if self.runner is None or self.mirror is not None:
             return 0

@@ -30,6 +30,7 @@ from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
 from pdtopo.runtime.engine.request import FinishReason, Req
+from pdtopo.runtime.engine.step_inputs import bucket
 
 log = logging.getLogger("pdtopo.disagg.prefill")
 
@@ -48,10 +49,10 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         batch bucket on logits shaped and sharded like the runner's, without compiling the
         decode steps that the engine's warmup would run to make them; then the KV gather for
         every page count."""
+        # deferred: the disaggregation modules stay importable without JAX
         import jax
         import jax.numpy as jnp
 
-        from pdtopo.runtime.engine.model_runner import bucket
         from pdtopo.runtime.engine.sampling import RowParams
 
         (page,) = self.allocator.alloc(1)

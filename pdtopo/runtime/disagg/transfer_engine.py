@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.disagg.faults import FaultInjector
 
@@ -108,8 +110,8 @@ class JaxTransferKVEngine:
                  pull_workers: int = 4,
                  fault_injection_prob: float = 0.0, seed: int = 0,
                  sweep_interval_s: float = 0.5, client: Any = None) -> None:
+        # deferred: the disaggregation modules stay importable without JAX
         import jax
-        import numpy as np
         from jax.experimental import transfer
 
         if transfer_sockets < 1:
@@ -277,7 +279,7 @@ class JaxTransferKVEngine:
             _poison_connection(conn)
 
     def _pull_job(self, p: _Pull, specs: list[Any]) -> None:
-        import jax
+        import jax  # deferred: the disaggregation modules stay importable without JAX
 
         try:
             if p.future.done():

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdtopo.runtime.distributed.cluster import ClusterSpec, initialize
+
 
 def start_process(ctx: Any) -> int | None:
-    from pdtopo.runtime.distributed.cluster import ClusterSpec, initialize
-
     spec = ClusterSpec.from_context(ctx)
     if spec is None:
         return None
     initialize(spec)
     if spec.leader:
         return None
+    # deferred: the follower's modules import JAX; a single-process server loads it later
     from pdtopo.runtime.distributed.follower import run_follower
 
     return run_follower(ctx, spec)

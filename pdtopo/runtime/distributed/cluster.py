@@ -98,7 +98,7 @@ def leader_entry(ctx: Any, instance_id: str) -> dict[str, Any]:
 
 def initialize(spec: ClusterSpec, *, timeout_s: int = 300) -> None:
     """Join the instance's JAX cluster. Call before any other JAX use in the process."""
-    import jax
+    import jax  # deferred: only a multi-process instance initialises a cluster
 
     # CPU backend: cross-process collectives need gloo (no effect on TPU / GPU backends).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -30,8 +30,18 @@ import threading
 import time
 from typing import Any
 
+from pdtopo.kernels import insert_kv_chunks, select_from_kv_caches
+from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
+from pdtopo.runtime.bootstrap.protocol import Registration
+from pdtopo.runtime.compilation_cache import enable_compilation_cache
+from pdtopo.runtime.disagg.base import PoolTransferSpec
+from pdtopo.runtime.disagg.mixin_base import model_identity
+from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
 from pdtopo.runtime.distributed.cluster import ClusterSpec
 from pdtopo.runtime.distributed.control import ControlClient
+from pdtopo.runtime.distributed.health import HealthServer
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk, warmup_kinds
 
 log = logging.getLogger("pdtopo.distributed.follower")
 
@@ -80,7 +90,6 @@ class Follower:
 
     def __init__(self, ctx: Any, runner: Any, engine: Any, control: Any, peers: PeerRanks | None,
                  kernels_impl: str = "auto"):
-        from pdtopo.runtime.disagg.base import PoolTransferSpec
 
         self.ctx = ctx
         self.runner = runner
@@ -123,14 +132,12 @@ class Follower:
 
     # ------------------------------------------------------------------ commands
     def _op_forward(self, msg: dict[str, Any]) -> None:
-        from pdtopo.runtime.engine.model_runner import SeqChunk
 
         chunks = [SeqChunk(list(t), int(s), list(p)) for t, s, p in msg["chunks"]]
         self.runner.forward(chunks)
         self.num_forward += 1
 
     def _op_p_register(self, msg: dict[str, Any]) -> None:
-        from pdtopo.kernels import select_from_kv_caches
 
         packed = select_from_kv_caches(self.runner.kv_caches, msg["page_ids"])
         self.engine.register(int(msg["room"]), packed, float(msg["expire_s"]),
@@ -162,7 +169,6 @@ class Follower:
         fut.add_done_callback(report)
 
     def _op_d_scatter(self, msg: dict[str, Any]) -> None:
-        from pdtopo.kernels import insert_kv_chunks
 
         room = int(msg["room"])
         fut = self.pulls.pop(room, None)
@@ -185,8 +191,6 @@ class Follower:
 
 
 def follower_registration(ctx: Any, runner: Any, transfer_addr: str):
-    from pdtopo.runtime.bootstrap.protocol import Registration
-    from pdtopo.runtime.disagg.mixin_base import model_identity
 
     cfg = ctx.cfg
     http = ctx.ports.get("http")
@@ -204,12 +208,6 @@ def follower_registration(ctx: Any, runner: Any, transfer_addr: str):
 
 def run_follower(ctx: Any, spec: ClusterSpec) -> int:
     """The follower's whole life (JAX cluster already initialized). Returns an exit code."""
-    from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
-    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
-    from pdtopo.runtime.distributed.health import HealthServer
-    from pdtopo.runtime.engine.mesh import build_mesh
-    from pdtopo.runtime.engine.model_runner import ModelRunner, warmup_kinds
-    from pdtopo.runtime.server import enable_compilation_cache
 
     cfg = ctx.cfg
     holder: dict[str, Follower] = {}

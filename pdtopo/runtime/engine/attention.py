@@ -149,6 +149,7 @@ def ragged_kernel_inputs(k_pool: jax.Array, v_pool: jax.Array, md: AttentionMeta
 
 def pallas_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                      md: AttentionMetadata, sm_scale: float) -> jax.Array:
+    # deferred: the TPU kernel module is loaded only when attention_impl=pallas is chosen
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     kv, kv_lens, page_indices, cu_q_lens, num_seqs = ragged_kernel_inputs(k_pool, v_pool, md)

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from omegaconf import DictConfig, OmegaConf
 
+from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
 from pdtopo.runtime.engine import attention as attn
 from pdtopo.runtime.engine.step_inputs import (
     LAYOUTS,
@@ -41,7 +42,7 @@ from pdtopo.runtime.engine.step_inputs import (
     warmup_batches,
 )
 from pdtopo.runtime.model import llama
-from pdtopo.runtime.model.config import ModelConfig, model_config_from_cfg
+from pdtopo.runtime.model.loader import load_params
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,6 @@ class ModelRunner:
 
     def _load_params(self) -> llama.Params:
         if self.config.path:
-            from pdtopo.runtime.model.loader import load_params
-
             return load_params(self.config, self.mesh, self.dtype)
         host = llama.init_params_numpy(self.config)
         return llama.place_params(host, self.config, self.mesh, self.dtype)

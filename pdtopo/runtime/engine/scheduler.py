@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdtopo.runtime.engine.metrics import EngineMetrics
+from pdtopo.runtime.engine.model_runner import SeqChunk
 from pdtopo.runtime.engine.page_allocator import OutOfPages, PageAllocator
 from pdtopo.runtime.engine.request import FinishReason, Req, ReqOutput, ReqStatus
 from pdtopo.runtime.engine.sampling import RowParams, Sampler
@@ -55,12 +56,6 @@ from pdtopo.runtime.engine.sampling import RowParams, Sampler
 log = logging.getLogger("pdtopo.scheduler")
 
 _STOP = object()
-
-
-def _seq_chunk_cls():
-    from pdtopo.runtime.engine.model_runner import SeqChunk
-
-    return SeqChunk
 
 
 @dataclass
@@ -150,7 +145,7 @@ class Scheduler:
     def warmup(self) -> None:
         """Compile the sampler for every batch bucket the loop can produce (call before
         `start()`); uses real runner logits so shardings match. Borrows one page, then frees it."""
-        make = _seq_chunk_cls()
+        make = SeqChunk
         (page,) = self.allocator.alloc(1)
         try:
             n = 1
@@ -338,7 +333,7 @@ class Scheduler:
         return self.allocator.alloc(n)
 
     def make_chunk(self, token_ids: list[int], start_pos: int, page_ids: list[int]):
-        return _seq_chunk_cls()(list(token_ids), int(start_pos), list(page_ids))
+        return SeqChunk(list(token_ids), int(start_pos), list(page_ids))
 
     def preempt(self, req: Req) -> None:
         """Free a request's pages and requeue it at the front; it is recomputed later."""

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 from omegaconf import OmegaConf
 
+from pdtopo.config.local_slices import LocalLayout, layout_from_topology
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.model_runner import ModelRunner
@@ -34,7 +35,6 @@ from pdtopo.runtime.local.decode import LocalDecodeMixin
 from pdtopo.runtime.local.metrics_view import EngineMetricsView, GaugeBoard
 from pdtopo.runtime.local.orchestrator import LocalOrchestrator
 from pdtopo.runtime.local.prefill import LocalPrefillMixin
-from pdtopo.runtime.local.slices import LocalLayout, layout_from_topology
 from pdtopo.runtime.local.threads import CrashHandler, FaultInjector, crash_process
 from pdtopo.runtime.local.transfer import TransferWorker
 

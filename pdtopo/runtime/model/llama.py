@@ -20,8 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pdtopo.runtime.model.config import ModelConfig
-from pdtopo.runtime.model.shapes import check_tp, layer_param_shapes, param_shapes  # noqa: F401
+from pdtopo.model_config.shapes import check_tp, layer_param_shapes, param_shapes  # noqa: F401
+from pdtopo.model_config.spec import ModelConfig
 
 Params = dict[str, Any]
 # attention(layer, q [T,H,D], k [T,KVH,D], v [T,KVH,D]) -> out [T,H,D]

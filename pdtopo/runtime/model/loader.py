@@ -16,14 +16,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from pdtopo.runtime.model import llama
-from pdtopo.runtime.model.checkpoint import (
+from pdtopo.model_config.spec import ModelConfig
+from pdtopo.model_config.tensors import (
     TensorReader,
     check_tensors,
     checkpoint_index,
     hf_name_map,
 )
-from pdtopo.runtime.model.config import ModelConfig
+from pdtopo.runtime.model import llama
 
 
 def _set(tree: Any, path: tuple, value: Any) -> None:

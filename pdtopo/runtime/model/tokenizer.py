@@ -28,9 +28,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from omegaconf import DictConfig
+from tokenizers import Tokenizer as _Tok
 
-from pdtopo.runtime.model.config import ModelConfig, model_config_from_cfg
+from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
 
 BYTE_BOS, BYTE_EOS = 256, 257
 DEFAULT_CHAT_TEMPLATE = (
@@ -59,9 +62,6 @@ def _check_messages(messages: Any) -> list[dict]:
 
 
 def _render(template: str, messages: list[dict], **kwargs: Any) -> str:
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
@@ -122,8 +122,6 @@ class HFTokenizer(Tokenizer):
     """A `tokenizers.Tokenizer` from tokenizer.json plus tokenizer_config.json's extras."""
 
     def __init__(self, directory: str | Path, model: ModelConfig | None = None):
-        from tokenizers import Tokenizer as _Tok
-
         directory = Path(directory)
         tok_file = directory / "tokenizer.json"
         if not tok_file.is_file():

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdtopo.runtime.model.errors import CheckpointError
+from pdtopo.model_config.errors import CheckpointError
 
 DEFAULT_THETA = 10000.0
 ROPE_KINDS = ("default", "linear", "llama3")

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from pdtopo.runtime.model.config import ModelConfig
-from pdtopo.runtime.model.shapes import layer_param_shapes, param_shapes
+from pdtopo.model_config.shapes import layer_param_shapes, param_shapes
+from pdtopo.model_config.spec import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdtopo.runtime.model.config import ModelConfig
+from pdtopo.model_config.spec import ModelConfig
 
 Params = dict[str, Any]
 

@@ -4,7 +4,7 @@ Flow: `read_hf_config(dir)` loads config.json (merging generation_config.json's 
 `refusals(hf, where)` lists every field whose value would change the model's math in a way
 pdtopo does not implement (see `REFUSED` and the checks below it); `hf_model_fields` raises the
 first as a `CheckpointError` naming the file, key and value, then returns the ModelConfig
-fields (`config.model_config_from_cfg` builds the dataclass): architecture traits from
+fields (`spec.model_config_from_cfg` builds the dataclass): architecture traits from
 `ARCH_TRAITS`, RoPE from either config format
 (`rope.rope_from_fields`). Values set in the `model:` config group fill only what config.json
 lacks; one that contradicts config.json is an error too (the checkpoint's weights were trained
@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pdtopo.runtime.model.architectures import ARCH_TRAITS
-from pdtopo.runtime.model.errors import CheckpointError
-from pdtopo.runtime.model.rope import rope_from_fields
+from pdtopo.model_config.architectures import ARCH_TRAITS
+from pdtopo.model_config.errors import CheckpointError
+from pdtopo.model_config.rope import rope_from_fields
 
 # HF `architectures` / `model_type` values -> our architecture names.
 HF_ARCH = {

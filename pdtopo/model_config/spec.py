@@ -2,7 +2,7 @@
 
 Built from the `model:` config group (`model_config_from_cfg`). When `model.path` names a local
 Hugging Face directory, its `config.json` supplies every architectural value
-(`pdtopo.runtime.model.hf_config`, which refuses what pdtopo does not implement); keys set in the
+(`pdtopo.model_config.hf`, which refuses what pdtopo does not implement); keys set in the
 `model:` group only fill what config.json lacks (and `name`, `tokenizer`). With `path: null`
 every value comes from the group itself (random-init models such as `tiny_llama`). The result is
 a frozen dataclass that the model, loader and runner share. `ARCH_TRAITS` says what each
@@ -17,9 +17,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pdtopo.runtime.model.architectures import ARCH_TRAITS, ARCHITECTURES
-from pdtopo.runtime.model.hf_config import eos_list, hf_model_fields
-from pdtopo.runtime.model.rope import RopeConfig, rope_from_fields
+from pdtopo.model_config.architectures import ARCH_TRAITS, ARCHITECTURES
+from pdtopo.model_config.hf import eos_list, hf_model_fields
+from pdtopo.model_config.rope import RopeConfig, rope_from_fields
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What each supported architecture adds to the Llama decoder block (pure data).
 
-`ARCH_TRAITS[name]` is read by the config readers (`config.py`, `hf_config.py`) to fill a
+`ARCH_TRAITS[name]` is read by the config readers (`spec.py`, `hf.py`) to fill a
 ModelConfig's switches (biases, q/k norm) and by the API to report the HF class name.
 """
 
