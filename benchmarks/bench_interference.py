@@ -15,22 +15,23 @@ Add a future topology as a third column with `--topologies colocated_cpu,1p1d_cp
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pdtopo.bench.deployments import (
+    DetachedDeployment,
+    free_port_block,
+    port_overrides,
+)
+from pdtopo.bench.run import run_bench, url_of_plan, wait_serving
+from pdtopo.bench.settings import BenchSettings
+from pdtopo.bench.workload import synthetic
 
-from pdtopo.bench.run import run_bench, url_of_plan, wait_serving  # noqa: E402
-from pdtopo.bench.settings import BenchSettings  # noqa: E402
-from pdtopo.bench.workload import synthetic  # noqa: E402
-from tests.e2e_support import Deployment, deployment_overrides, port_block  # noqa: E402
 
-
-def launch(run_dir: Path, overrides: list[str]) -> tuple[Deployment, float, float]:
+def launch(run_dir: Path, overrides: list[str]) -> tuple[DetachedDeployment, float, float]:
     """Launch; returns (deployment, launch-to-healthy s, launch-to-serving s)."""
-    dep = Deployment(run_dir, overrides)
+    dep = DetachedDeployment(run_dir, overrides)
     t0 = time.perf_counter()
     try:
         dep.launch()
@@ -54,7 +55,7 @@ def mixed_workload(args, settings: BenchSettings):
 
 def bench_topology(topo: str, args, tmp: Path, common: list[str]) -> dict:
     dep, _, _ = launch(tmp / f"run-{topo}", [f"topology={topo}", *common,
-                                              *deployment_overrides(port_block(40))])
+                                              *port_overrides(free_port_block(40))])
     try:
         settings = BenchSettings.from_config({
             "num_requests": args.decode_requests + args.long_requests, "warmup_requests": 3,
@@ -74,7 +75,7 @@ def startup_times(tmp: Path, common: list[str]) -> dict[str, tuple[float, float]
         dep, healthy, serving = launch(
             tmp / f"run-start-{kind}",
             ["topology=1p1d_cpu", *common, f"launcher.compilation_cache_dir={cache}",
-             *deployment_overrides(port_block(40))])
+             *port_overrides(free_port_block(40))])
         dep.stop()
         out[kind] = (healthy, serving)
         print(f"1p1d_cpu {kind} start: launch->healthy {healthy:.1f} s, "

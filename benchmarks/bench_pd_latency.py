@@ -13,20 +13,17 @@ then the PD overhead (PD - colocated) at p50 and p99. Goal: PD TTFT overhead <= 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.e2e_support import (  # noqa: E402
-    ColocatedServer,
-    Deployment,
-    deployment_overrides,
-    port_block,
+from pdtopo.bench.deployments import (
+    ColocatedProcess,
+    DetachedDeployment,
+    free_port_block,
+    port_overrides,
 )
 
 
@@ -73,15 +70,15 @@ def main() -> None:
         results[name] = measure(url, prompts[args.warmup:], args.max_new_tokens)
 
     with tempfile.TemporaryDirectory(prefix="pdtopo-bench-") as tmp:
-        colo = ColocatedServer(port_block(1), log_path=Path(tmp) / "colocated.log")
+        colo = ColocatedProcess(free_port_block(1), log_path=Path(tmp) / "colocated.log")
         try:
             colo.start()
             run("colocated", colo.url)
         finally:
             colo.stop()
         for proxy in ("rust", "mini_lb"):
-            dep = Deployment(Path(tmp) / f"run-{proxy}",
-                             [f"proxy={proxy}", *deployment_overrides(port_block(40))])
+            dep = DetachedDeployment(Path(tmp) / f"run-{proxy}",
+                             [f"proxy={proxy}", *port_overrides(free_port_block(40))])
             try:
                 t0 = time.perf_counter()
                 dep.launch()
