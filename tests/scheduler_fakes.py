@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from omegaconf import OmegaConf
 
+from pdtopo.config.compose import compose_config
 from pdtopo.runtime.engine.model_runner import SeqChunk
 from pdtopo.runtime.settings import direct_process_context
 
@@ -63,7 +64,7 @@ class FakeRunner:
 def make_ctx(**engine):
     eng = {"max_model_len": 64, "max_prefill_tokens": 32, "max_running_requests": 4,
            "seed": 0, "served_model_name": None, **engine}
-    cfg = OmegaConf.create({"engine": eng, "model": {"name": "fake"}})
+    cfg = OmegaConf.merge(compose_config([]), {"engine": eng, "model": {"name": "fake"}})
     return direct_process_context(cfg)
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pdtopo.config.compose import compose_config
+from pdtopo.config.local_slices import local_layout, parse_slice, parse_slices
 from pdtopo.config.schema import TopologyError
+from pdtopo.config.settings import group_settings
 from pdtopo.launcher.plan import expand_plan
-from pdtopo.runtime.local.engine import local_settings, worker_names
-from pdtopo.runtime.local.slices import local_layout, parse_slice, parse_slices
+from pdtopo.runtime.local.engine import worker_names
 
 
 def test_slice_syntax():
@@ -71,9 +72,9 @@ def test_local_plan_rejects_bad_slice_syntax():
 
 def test_local_settings_validation():
     cfg = compose_config([])
-    assert local_settings(cfg)["transfer_backlog"] == 4
+    assert group_settings(cfg, "local").transfer_backlog == 4
     for key, value in (("transfer_backlog", 0), ("decode_backlog", -1),
                        ("fault_inject_after_steps", "x")):
         bad = compose_config([f"local.{key}={value}"])
         with pytest.raises(ValueError, match=f"local.{key}"):
-            local_settings(bad)
+            group_settings(bad, "local")

@@ -22,6 +22,7 @@ from rich.console import Console
 from pdtopo.bench.report import metrics_table, write_json
 from pdtopo.bench.run import run_bench, url_of_plan, wait_serving
 from pdtopo.bench.settings import BenchSettings
+from pdtopo.config.settings import group_settings
 
 JOB_FILE = "job.json"
 METRICS_FILE = "metrics.json"
@@ -53,7 +54,7 @@ def bench_job(cfg: DictConfig, run_dir: Path, plan: Any, launch_to_healthy_s: fl
     try:
         settings = BenchSettings.from_config(cfg.get("bench"))
         url = url_of_plan(plan.to_dict() if hasattr(plan, "to_dict") else plan)
-        timeout = float(OmegaConf.select(cfg, "launcher.health_timeout_s", default=180))
+        timeout = group_settings(cfg, "launcher").health_timeout_s
         waited = wait_serving(url, timeout)
         if launch_to_healthy_s is not None:
             extra["launch_to_serving_s"] = launch_to_healthy_s + waited

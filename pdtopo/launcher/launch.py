@@ -26,6 +26,7 @@ from rich.live import Live
 from pdtopo.bench.job import bench_job, record_job
 from pdtopo.config.run_files import holds_deployment
 from pdtopo.config.schema import TopologyError
+from pdtopo.config.settings import group_settings
 from pdtopo.launcher import display, hosts
 from pdtopo.launcher.health import wait_for_programs
 from pdtopo.launcher.plan import Plan, expand_plan
@@ -62,10 +63,8 @@ def host_cpus() -> list[int]:
 
 
 def program_settings(cfg: DictConfig) -> ProgramSettings:
-    return ProgramSettings(
-        startsecs=int(OmegaConf.select(cfg, "launcher.startsecs", default=2)),
-        startretries=int(OmegaConf.select(cfg, "launcher.startretries", default=3)),
-    )
+    launcher = group_settings(cfg, "launcher")
+    return ProgramSettings(startsecs=launcher.startsecs, startretries=launcher.startretries)
 
 
 def prepare(cfg: DictConfig, run_dir: Path, *, token: str | None = None,
@@ -205,7 +204,7 @@ def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
             if opts.multirun:
                 record_job(run_dir, "failed", cfg=cfg, error=str(exc), exit_code=1)
             return 1
-        timeout = float(OmegaConf.select(cfg, "launcher.health_timeout_s", default=180))
+        timeout = group_settings(cfg, "launcher").health_timeout_s
         with Live(display.health_table(plan, []), console=con, refresh_per_second=4) as live:
             result = wait_for_programs(
                 plan, sv.states, timeout,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pdtopo.config.local_slices import local_layout
 from pdtopo.config.schema import (
@@ -26,6 +26,7 @@ from pdtopo.config.schema import (
     typed_proxy,
     typed_topology,
 )
+from pdtopo.config.settings import LauncherSettings, runtime_settings
 from pdtopo.launcher import validate
 from pdtopo.launcher.tpu_env import (
     Accelerator,
@@ -37,7 +38,6 @@ from pdtopo.launcher.tpu_env import (
 
 PRIORITY = {"bootstrap": 100, "prefill": 200, "decode": 200, "colocated": 200, "local": 200,
             "proxy": 300}
-SERVER_MODULE = "pdtopo.runtime.server"
 BOOTSTRAP_MODULE = "pdtopo.runtime.bootstrap"
 ROUTER_MODULE = "sglang_router.launch_router"
 # runs the same router with the API key from the environment or a file, never from argv
@@ -220,11 +220,10 @@ def _assign_chips(topo: TopologySchema, acc: Accelerator) -> list[_Server]:
     return servers
 
 
-def _common_env(cfg: DictConfig) -> dict[str, str]:
+def _common_env(launcher: LauncherSettings) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    cache = OmegaConf.select(cfg, "launcher.compilation_cache_dir", default=None)
-    if cache:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+    if launcher.compilation_cache_dir:
+        env["JAX_COMPILATION_CACHE_DIR"] = launcher.compilation_cache_dir
     return env
 
 
@@ -273,7 +272,8 @@ def local_process_layout(topo: TopologySchema) -> tuple[list[int], RoleSchema]:
 
 def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
                       servers: list[_Server], run_dir: str, python: str,
-                      cpus: int | Sequence[int] | None) -> list[Process]:
+                      cpus: int | Sequence[int] | None,
+                      launcher: LauncherSettings) -> list[Process]:
     if topo.mode == "local":  # one in-process disagg program over the P and D chips
         if any(s.spec.processes_per_instance > 1 for s in servers):
             raise validate.TopologyError("topology.prefill.processes_per_instance",
@@ -285,7 +285,7 @@ def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
         servers = [_Server("local_0", "local", 0, 0, local_spec, first.host, first.address,
                            chips, "topology.decode_slices")]
     affinity = _host_affinity(servers, acc, cpus)
-    server_module = str(OmegaConf.select(cfg, "launcher.server_module", default=SERVER_MODULE))
+    server_module = launcher.server_module
     planned = [_server_ports(topo, s, k) for k, s in enumerate(servers)]
     tpu_ports = [topo.ports.tpu_process_base + k for k in range(len(servers))]
     out = []
@@ -316,7 +316,7 @@ def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
             name=s.name, role=s.role, host=s.host, address=s.address,
             instance_id=s.instance_id if s.role != "local" else s.name, rank=rank,
             chips=list(s.chips), mesh=dict(s.spec.mesh), ports=ports,
-            env={**_common_env(cfg), **chip},
+            env={**_common_env(launcher), **chip},
             command=_runtime_cmd(python, server_module, run_dir, s.name),
             health_url=f"http://{s.address}:{ports['http']}/health", priority=PRIORITY[s.role],
             cpu_affinity=affinity[k], distributed=distributed, leader=s.leader,
@@ -325,13 +325,13 @@ def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
     return out
 
 
-def _bootstrap_process(cfg: DictConfig, topo: TopologySchema, run_dir: str,
-                       python: str) -> Process:
+def _bootstrap_process(topo: TopologySchema, run_dir: str, python: str,
+                       launcher: LauncherSettings) -> Process:
     host, address = validate.host_address(topo, "topology.bootstrap.host", topo.bootstrap.host)
     port = topo.bootstrap.port
     return Process(
         name="bootstrap", role="bootstrap", host=host, address=address, instance_id="bootstrap",
-        rank=default_rank(), chips=[], mesh={}, ports={"http": port}, env=_common_env(cfg),
+        rank=default_rank(), chips=[], mesh={}, ports={"http": port}, env=_common_env(launcher),
         command=_runtime_cmd(python, BOOTSTRAP_MODULE, run_dir, "bootstrap"),
         health_url=f"http://{address}:{port}/health", priority=PRIORITY["bootstrap"],
         port_keys={"http": "topology.bootstrap.port"},
@@ -362,8 +362,8 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
     return cmd  # an API key travels in the environment (proxy_key_env), not in argv
 
 
-def _proxy_process(cfg: DictConfig, topo: TopologySchema, proxy: ProxySchema,
-                   servers: list[Process], python: str) -> Process:
+def _proxy_process(topo: TopologySchema, proxy: ProxySchema, servers: list[Process],
+                   python: str, launcher: LauncherSettings) -> Process:
     host, address = validate.host_address(topo, "topology.proxy.host", topo.proxy.host)
     ports = {"http": topo.proxy.port}
     keys = {"http": "topology.proxy.port"}
@@ -375,7 +375,7 @@ def _proxy_process(cfg: DictConfig, topo: TopologySchema, proxy: ProxySchema,
         keys["prometheus"] = "topology.proxy.prometheus_port"
     prefills = [p for p in servers if p.role == "prefill" and p.leader]
     decodes = [p for p in servers if p.role == "decode" and p.leader]
-    env = _common_env(cfg)
+    env = _common_env(launcher)
     if proxy.api_key_file:
         env[API_KEY_FILE_ENV] = str(proxy.api_key_file)  # a path, not the key
     return Process(
@@ -396,22 +396,20 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
     validate.check_basics(topo, proxy)
     acc = accelerator_spec(topo.accelerator, topo.platform)
     validate.check_hosts(topo, acc)
-    validate.check_bind_host(topo, OmegaConf.select(cfg, "server.bind_host", default=None))
-    engine = OmegaConf.to_container(cfg.engine, resolve=True) if "engine" in cfg else {}
+    settings = runtime_settings(cfg)  # every runtime group typed and checked, as P/D will
+    validate.check_bind_host(topo, settings.server.bind_host)
     warnings: list[str] = []
     if topo.mode == "pd":
-        if "disaggregation" in cfg:
-            validate.check_disaggregation(
-                OmegaConf.to_container(cfg.disaggregation, resolve=True))
-        allow = bool(OmegaConf.select(cfg, "launcher.allow_incompatible_roles", default=False))
-        warnings = validate.check_engine_compat(topo, engine, allow_incompatible=allow)
+        warnings = validate.check_engine_compat(
+            topo, {role: runtime_settings(cfg, role).engine for role in ("prefill", "decode")},
+            allow_incompatible=settings.launcher.allow_incompatible_roles)
     servers = _server_processes(cfg, topo, acc, _assign_chips(topo, acc), str(run_dir),
-                                python, cpus)
+                                python, cpus, settings.launcher)
     processes: list[Process] = []
     bootstrap_url = proxy_url = None
     if topo.mode == "pd":
-        boot = _bootstrap_process(cfg, topo, str(run_dir), python)
-        prox = _proxy_process(cfg, topo, proxy, servers, python)
+        boot = _bootstrap_process(topo, str(run_dir), python, settings.launcher)
+        prox = _proxy_process(topo, proxy, servers, python, settings.launcher)
         processes = [boot, *servers, prox]
         bootstrap_url, proxy_url = boot.url, prox.url
     else:

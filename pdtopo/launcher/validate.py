@@ -12,7 +12,6 @@ import ipaddress
 import math
 import re
 from collections.abc import Iterable
-from typing import Any
 
 from pdtopo.config.schema import (
     MODES,
@@ -24,6 +23,7 @@ from pdtopo.config.schema import (
     TopologyError,
     TopologySchema,
 )
+from pdtopo.config.settings import EngineSettings
 from pdtopo.launcher.tpu_env import Accelerator, process_grid, split_error
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -257,49 +257,18 @@ def check_ports(entries: Iterable[tuple[str, str, str, str, int]]) -> None:
         seen[(address, port)] = f"{name} ({kind})"
 
 
-# disaggregation.<key>: (check, what the value must be); checked at plan time so a bad value
-# stops `pdtopo launch` (exit 2) instead of failing every P and D process at start
-_DISAGG_RULES: dict[str, tuple[Any, str]] = {
-    "kv_timeout_s": (lambda v: _number(v) and v > 0, "a number > 0"),
-    "sender_expiry_s": (lambda v: _number(v) and v > 0, "a number > 0"),
-    "transfer_size_mb": (lambda v: _number(v) and v > 0, "a number > 0"),
-    "transfer_sockets": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
-    "pull_workers": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
-    "side_channel_max_bytes": (lambda v: _integer(v) and v >= 1024, "an integer >= 1024"),
-    "fault_injection_prob": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "transfer_raw_buffers": (lambda v: v == "auto" or isinstance(v, bool), "auto, true or false"),
-}
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_disaggregation(disagg: dict) -> None:
-    """The PD data-plane settings (`disaggregation.*`) every P and D process reads."""
-    for key, (ok, want) in _DISAGG_RULES.items():
-        if key in disagg and not ok(disagg[key]):
-            raise TopologyError(f"disaggregation.{key}", disagg[key], f"must be {want}")
-
-
-def check_engine_compat(topo: TopologySchema, engine: dict, *,
+def check_engine_compat(topo: TopologySchema, engines: dict[str, EngineSettings], *,
                         allow_incompatible: bool = False) -> list[str]:
     """P and D must agree on page size and KV dtype (KV pages move between their pools).
-    `topology.<role>.engine.*` overrides `engine.*` for that role's processes (the runtime
-    merges them: `pdtopo.runtime.settings.role_engine_config`). With
+    `engines`: each role's engine settings, `topology.<role>.engine.*` applied
+    (`pdtopo.config.settings.runtime_settings(cfg, role)`, as that role's processes see them). With
     `launcher.allow_incompatible_roles=true` (tests, experts) a mismatch is returned as a
     warning instead of raised: the runtime then refuses the transfers at request time."""
     warnings = []
     for field_name in ("page_size", "kv_dtype"):
-        base = engine.get(field_name)
-        p = getattr(topo.prefill.engine, field_name)
         d = getattr(topo.decode.engine, field_name)
-        p_eff = base if p is None else p
-        d_eff = base if d is None else d
+        p_eff = getattr(engines["prefill"], field_name)
+        d_eff = getattr(engines["decode"], field_name)
         if p_eff != d_eff:
             key = f"topology.decode.engine.{field_name}" if d is not None else \
                 f"topology.prefill.engine.{field_name}"

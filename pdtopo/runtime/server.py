@@ -24,6 +24,7 @@ import time
 import uvicorn
 
 from pdtopo.config.compose import compose_config
+from pdtopo.config.settings import runtime_settings
 from pdtopo.runtime.api.app import create_app
 from pdtopo.runtime.api.state import ServerState
 from pdtopo.runtime.compilation_cache import enable_compilation_cache
@@ -58,7 +59,7 @@ def build_context(args: argparse.Namespace) -> ProcessContext:
     if args.run_dir:
         return load_process_context(args.run_dir, args.process)
     cfg = compose_config(args.overrides)
-    host = args.host or str(cfg.server.bind_host or "127.0.0.1")
+    host = args.host or runtime_settings(cfg).server.bind_host or "127.0.0.1"
     return direct_process_context(cfg, port=args.port, host=host)
 
 
@@ -85,7 +86,7 @@ def build_engine(ctx: ProcessContext, tokenizer, metrics):
     tp = int(ctx.process.get("mesh", {}).get("tp", 1))
     mesh = build_mesh(tp)
     log.info("mesh tp=%d on %s", tp, [str(d) for d in mesh.devices.flat])
-    runner = ModelRunner(cfg.model, cfg.engine, mesh)
+    runner = ModelRunner(cfg.model, ctx.settings.engine, mesh)
     log.info("model loaded (%d KV pages x %d tokens); warming up ...", runner.num_pages,
              runner.page_size)
     runner.warmup(**warmup_kinds(ctx.role))
@@ -98,7 +99,7 @@ def load_engine(state: ServerState) -> None:
     """Build tokenizer, runner(s), scheduler; warm up; start the scheduler thread(s)."""
     ctx = state.ctx
     cfg = ctx.cfg
-    enable_compilation_cache(cfg.get("launcher", {}).get("compilation_cache_dir"))
+    enable_compilation_cache(ctx.settings.launcher.compilation_cache_dir)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     log.info("loading model %s ...", cfg.model.name)

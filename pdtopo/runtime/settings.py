@@ -9,8 +9,9 @@ composed config and a port via `direct_process_context`.
 
 Per-role engine overrides: a topology may give `topology.<role>.engine.<key>` (e.g. a decode
 pool with another page size, for experts and compatibility tests); `role_engine_config` merges
-the non-null ones into `cfg.engine` for that role's processes. This is the only place the
-runtime applies them, so every module keeps reading `ctx.cfg.engine`.
+the non-null ones into `cfg.engine` for that role's processes. `ctx.settings` is the typed,
+checked view of that config (`pdtopo.config.settings.RuntimeSettings`, built once per
+process): the runtime reads its settings there, never raw config keys with casts and defaults.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from pdtopo.config.run_files import CONFIG_FILE, PLAN_FILE, TOKEN_ENV
+from pdtopo.config.settings import RuntimeSettings, role_engine_overrides, runtime_settings
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class ProcessContext:
     def rank(self) -> dict[str, int]:
         return dict(self.process.get("rank", {}))
 
+    @cached_property
+    def settings(self) -> RuntimeSettings:
+        """The typed settings of this process (its role's engine overrides applied)."""
+        return runtime_settings(self.cfg)
+
     @property
     def bootstrap_url(self) -> str | None:
         return self.plan.get("bootstrap_url")
@@ -64,17 +72,13 @@ class ProcessContext:
     def bind_host(self) -> str:
         """Where this process's servers listen: `server.bind_host`, or (null) its plan
         address, so that programs on other hosts of a multi-host topology reach it."""
-        configured = OmegaConf.select(self.cfg, "server.bind_host", default=None)
-        return str(configured) if configured else self.address
+        configured = self.settings.server.bind_host
+        return configured or self.address
 
 
 def role_engine_config(cfg: DictConfig, role: str) -> DictConfig:
     """`cfg` with the non-null values of `topology.<role>.engine` merged into `engine`."""
-    overrides = OmegaConf.select(cfg, f"topology.{role}.engine", default=None)
-    if not overrides:
-        return cfg
-    values = {k: v for k, v in OmegaConf.to_container(overrides, resolve=True).items()
-              if v is not None}
+    values = role_engine_overrides(cfg, role)
     if not values:
         return cfg
     merged = OmegaConf.to_container(cfg, resolve=True)

@@ -212,13 +212,13 @@ def server_info(state: ServerState) -> dict[str, Any]:
         "role": state.ctx.role,
         "name": state.ctx.name,
         "load_balance_method": "round_robin",
-        "page_size": int(eng.page_size),
-        "context_length": int(eng.max_model_len),
-        "max_running_requests": int(eng.max_running_requests),
-        "max_prefill_tokens": int(eng.max_prefill_tokens),
-        "max_total_num_tokens": (total_pages * int(eng.page_size)) if total_pages else None,
-        "dtype": str(eng.dtype),
-        "kv_dtype": str(eng.kv_dtype),
+        "page_size": eng.page_size,
+        "context_length": eng.max_model_len,
+        "max_running_requests": eng.max_running_requests,
+        "max_prefill_tokens": eng.max_prefill_tokens,
+        "max_total_num_tokens": (total_pages * eng.page_size) if total_pages else None,
+        "dtype": eng.dtype,
+        "kv_dtype": eng.kv_dtype,
         "ready": state.ready,
         "internal_states": [stats],
     }
@@ -242,7 +242,7 @@ async def models(state: ServerDep):
     return {"object": "list", "data": [{
         "id": state.served_model_name, "object": "model", "created": state.created,
         "owned_by": "pdtopo", "root": state.served_model_name,
-        "max_model_len": int(state.engine.max_model_len)}]}
+        "max_model_len": state.engine.max_model_len}]}
 
 
 @router.post("/flush_cache")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdtopo.config.settings import EngineSettings
 from pdtopo.model_config.architectures import ARCH_TRAITS
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.request import (
@@ -72,7 +73,7 @@ class ServerState:
     def __init__(self, ctx):
         self.ctx = ctx
         cfg = ctx.cfg
-        self.served_model_name = str(cfg.engine.get("served_model_name") or cfg.model.name)
+        self.served_model_name = ctx.settings.engine.served_model_name or str(cfg.model.name)
         self.metrics = EngineMetrics(self.served_model_name, ctx.role)
         self.tokenizer = None
         self.scheduler = None
@@ -83,8 +84,8 @@ class ServerState:
 
     # ------------------------------------------------------------------ info
     @property
-    def engine(self):
-        return self.ctx.cfg.engine
+    def engine(self) -> EngineSettings:
+        return self.ctx.settings.engine
 
     def local_model_dir(self) -> str | None:
         path = self.ctx.cfg.model.get("path")
@@ -146,10 +147,10 @@ class ServerState:
         if sampling is not None and not isinstance(sampling, dict):
             raise InvalidRequest(sampling_prefix, f"{sampling_prefix} must be an object")
         sp = SamplingParams.from_dict(
-            sampling, default_max_new_tokens=int(eng.max_new_tokens_default),
-            max_new_tokens_limit=int(eng.max_new_tokens_limit),
+            sampling, default_max_new_tokens=eng.max_new_tokens_default,
+            max_new_tokens_limit=eng.max_new_tokens_limit,
             vocab_size=int(self.tokenizer.vocab_size), prefix=sampling_prefix)
-        max_len = int(eng.max_model_len)
+        max_len = eng.max_model_len
         n = len(prompt_ids)
         if n >= max_len:
             raise InvalidRequest(prompt_field, f"{prompt_field} has {n} tokens; the context length "

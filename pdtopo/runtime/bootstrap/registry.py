@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdtopo.config.settings import check_value
+
 RANK_FIELDS = ("tp_rank", "cp_rank", "dp_rank", "pp_rank")
 
 RankKey = tuple[str, str, int, int, int, int]
@@ -32,9 +34,7 @@ class Entry:
 
 class InstanceRegistry:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
-        if ttl_s <= 0:
-            raise ValueError(f"bootstrap.heartbeat_ttl_s must be > 0, got {ttl_s}")
-        self.ttl_s = float(ttl_s)
+        self.ttl_s = check_value("bootstrap.heartbeat_ttl_s", ttl_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[RankKey, Entry] = {}

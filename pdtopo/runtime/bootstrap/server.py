@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         ctx = load_process_context(args.run_dir, args.process)
         host = args.host or ctx.bind_host
         port = int(ctx.ports.get("http") or ctx.cfg.topology.bootstrap.port)
-        token, ttl = ctx.token, float(ctx.cfg.bootstrap.heartbeat_ttl_s)
+        token, ttl = ctx.token, ctx.settings.bootstrap.heartbeat_ttl_s
     else:
         if args.port is None:
             parser.error("give --run-dir, or --port (and --token) for the direct form")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import threading
 
+from pdtopo.config.settings import check_value
 from pdtopo.runtime.disagg.base import KVTransferError
 
 
@@ -18,10 +19,7 @@ class InjectedTransferFault(KVTransferError):
 
 class FaultInjector:
     def __init__(self, prob: float = 0.0, seed: int = 0) -> None:
-        prob = float(prob)
-        if not 0.0 <= prob <= 1.0:
-            raise ValueError(f"disaggregation.fault_injection_prob must be in [0, 1], got {prob}")
-        self.prob = prob
+        self.prob = check_value("disaggregation.fault_injection_prob", prob)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.injected = 0

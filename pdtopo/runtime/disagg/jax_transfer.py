@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from pdtopo.config.settings import check_value
 from pdtopo.runtime.disagg import messages as m
 from pdtopo.runtime.disagg.base import (
     BaseKVManager,
@@ -292,14 +293,10 @@ class JaxTransferKVManager(BaseKVManager):
                  scatter_fn: ScatterFn | None = None, kernels_impl: str = "auto",
                  owns_transport: bool = False) -> None:
         super().__init__(args, bootstrap_addr)
-        if kv_timeout_s <= 0:
-            raise ValueError(f"disaggregation.kv_timeout_s must be > 0, got {kv_timeout_s}")
-        if sender_expiry_s <= 0:
-            raise ValueError(f"disaggregation.sender_expiry_s must be > 0, got {sender_expiry_s}")
         self.engine = engine
         self.channel = channel
-        self.kv_timeout_s = float(kv_timeout_s)
-        self.sender_expiry_s = float(sender_expiry_s)
+        self.kv_timeout_s = check_value("disaggregation.kv_timeout_s", kv_timeout_s)
+        self.sender_expiry_s = check_value("disaggregation.sender_expiry_s", sender_expiry_s)
         self.gather_fn = gather_fn or _default_gather
         self.scatter_fn = scatter_fn or _make_default_scatter(kernels_impl)
         self.runner: KVRunner | None = None
@@ -316,20 +313,20 @@ class JaxTransferKVManager(BaseKVManager):
     @classmethod
     def from_context(cls, ctx: Any, args: KVArgs, **kw: Any) -> JaxTransferKVManager:
         """Engine + side channel from a ProcessContext (prefill binds ports.zmq)."""
-        d = ctx.cfg.disaggregation
+        d = ctx.settings.disaggregation
         engine = JaxTransferKVEngine.from_context(ctx)
         bind = None
         if ctx.role == "prefill":
             bind = f"{ctx.bind_host}:{int(ctx.ports['zmq'])}"
         try:
-            channel = SideChannel(bind=bind, max_bytes=int(d.side_channel_max_bytes),
+            channel = SideChannel(bind=bind, max_bytes=d.side_channel_max_bytes,
                                   name=f"{ctx.name}-side")
         except Exception:
             engine.close()
             raise
         return cls(args, ctx.bootstrap_url, engine=engine, channel=channel,
-                   kv_timeout_s=float(d.kv_timeout_s), sender_expiry_s=float(d.sender_expiry_s),
-                   kernels_impl=str(ctx.cfg.kernels.impl), owns_transport=True, **kw)
+                   kv_timeout_s=d.kv_timeout_s, sender_expiry_s=d.sender_expiry_s,
+                   kernels_impl=ctx.settings.kernels.impl, owns_transport=True, **kw)
 
     # --------------------------------------------------------------- ABC
     def register_runner(self, runner: KVRunner) -> None:

@@ -72,7 +72,7 @@ class DisaggregationMixinBase:
             zmq_addr=zmq_addr,
             http_addr=f"{ctx.address}:{http}" if http else None,
             page_size=int(self.runner.page_size),
-            kv_dtype=str(cfg.engine.kv_dtype),
+            kv_dtype=ctx.settings.engine.kv_dtype,
             model=model_identity(cfg),
             kv_layout={k: (list(v) if isinstance(v, tuple) else v) for k, v in layout.items()},
             mesh_meta={"tp": int(ctx.process.get("mesh", {}).get("tp", 1))},
@@ -109,9 +109,10 @@ class DisaggregationMixinBase:
 
     def start(self) -> None:
         if self.bootstrap is not None:
-            interval = float(self.ctx.cfg.bootstrap.heartbeat_interval_s)
-            self._keeper = RegistrationKeeper(self.bootstrap, self.registration, interval).start()
-            timeout = float(self.ctx.cfg.bootstrap.get("register_timeout_s", 60))
+            boot = self.ctx.settings.bootstrap
+            self._keeper = RegistrationKeeper(self.bootstrap, self.registration,
+                                              boot.heartbeat_interval_s).start()
+            timeout = boot.register_timeout_s
             if not self._keeper.wait_registered(timeout):
                 self._keeper.stop()
                 raise RuntimeError(

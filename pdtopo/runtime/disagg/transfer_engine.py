@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from pdtopo.config.settings import check_value
 from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.disagg.faults import FaultInjector
 
@@ -70,11 +71,8 @@ def resolve_raw_buffers(value: str | bool, platform: str) -> bool:
     the arrays' own host buffers skips a staging copy per byte (measured on loopback, configurations
     interleaved: +17-27% pull throughput at 16-64 MB); off elsewhere (not measured on an
     accelerator)."""
-    if isinstance(value, bool):
-        return value
-    if value == "auto":
-        return platform == "cpu"
-    raise ValueError(f"disaggregation.transfer_raw_buffers={value!r}: choose auto, true or false")
+    check_value("disaggregation.transfer_raw_buffers", value)
+    return value if isinstance(value, bool) else platform == "cpu"
 
 
 def _deadline_datetime(seconds_from_now: float) -> dt.datetime:
@@ -114,12 +112,9 @@ class JaxTransferKVEngine:
         import jax
         from jax.experimental import transfer
 
-        if transfer_sockets < 1:
-            raise ValueError(f"disaggregation.transfer_sockets must be >= 1, got {transfer_sockets}")
-        if pull_workers < 1:
-            raise ValueError(f"disaggregation.pull_workers must be >= 1, got {pull_workers}")
-        if transfer_size_mb <= 0:
-            raise ValueError(f"disaggregation.transfer_size_mb must be > 0, got {transfer_size_mb}")
+        check_value("disaggregation.transfer_sockets", transfer_sockets)
+        check_value("disaggregation.pull_workers", pull_workers)
+        check_value("disaggregation.transfer_size_mb", transfer_size_mb)
         # local_devices: in a multi-process instance jax.devices()[0] may belong to another process
         self._client = client if client is not None else jax.local_devices()[0].client
         self.raw_buffers = resolve_raw_buffers(raw_buffers, self._client.platform)
@@ -148,14 +143,12 @@ class JaxTransferKVEngine:
     @classmethod
     def from_context(cls, ctx: Any) -> JaxTransferKVEngine:
         """Build from a ProcessContext: its address, ports.transfer and `disaggregation:`."""
-        d = ctx.cfg.disaggregation
+        d = ctx.settings.disaggregation
         return cls(ctx.address, int(ctx.ports.get("transfer", 0)),
-                   transfer_sockets=int(d.transfer_sockets),
-                   transfer_size_mb=float(d.transfer_size_mb),
-                   raw_buffers=d.get("transfer_raw_buffers", "auto"),
-                   pull_workers=int(d.pull_workers),
-                   fault_injection_prob=float(d.fault_injection_prob),
-                   seed=int(ctx.cfg.engine.seed))
+                   transfer_sockets=d.transfer_sockets, transfer_size_mb=d.transfer_size_mb,
+                   raw_buffers=d.transfer_raw_buffers, pull_workers=d.pull_workers,
+                   fault_injection_prob=d.fault_injection_prob,
+                   seed=ctx.settings.engine.seed)
 
     # ------------------------------------------------------------------ P side
     def new_uuid(self) -> int:
@@ -170,8 +163,7 @@ class JaxTransferKVEngine:
         arrays = list(arrays)
         if not arrays:
             raise ValueError(f"room {room}: nothing to register (empty array list)")
-        if expire_s <= 0:
-            raise ValueError(f"disaggregation.sender_expiry_s must be > 0, got {expire_s}")
+        check_value("disaggregation.sender_expiry_s", expire_s)
         uid = self.new_uuid() if uuid is None else int(uuid)
         deadline = time.time() + float(expire_s)
         with self._lock:

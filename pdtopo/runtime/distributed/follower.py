@@ -48,12 +48,6 @@ log = logging.getLogger("pdtopo.distributed.follower")
 RANK_KEYS = ("tp_rank", "cp_rank", "dp_rank", "pp_rank")
 
 
-def _bind_host(ctx: Any) -> str:
-    """`ProcessContext.bind_host` (server.bind_host, or the plan address when it is null)."""
-    bind = getattr(ctx, "bind_host", None)
-    return str(bind) if bind else str(ctx.cfg.server.bind_host or ctx.address)
-
-
 class PeerRanks:
     """D follower: leader transfer address of a P instance -> the transfer address of the P
     process with this process's rank (cached; lookups run on a pull thread, not the loop)."""
@@ -199,7 +193,7 @@ def follower_registration(ctx: Any, runner: Any, transfer_addr: str):
         role=ctx.role, instance_id=str(ctx.process.get("instance_id", ctx.name)), **ctx.rank,
         transfer_addr=transfer_addr, zmq_addr=f"{ctx.address}:{int(ctx.ports.get('zmq') or 1)}",
         http_addr=f"{ctx.address}:{http}" if http else None,
-        page_size=int(runner.page_size), kv_dtype=str(cfg.engine.kv_dtype),
+        page_size=runner.page_size, kv_dtype=ctx.settings.engine.kv_dtype,
         model=model_identity(cfg),
         kv_layout={k: (list(v) if isinstance(v, tuple) else v) for k, v in layout.items()},
         mesh_meta={"tp": int(ctx.process.get("mesh", {}).get("tp", 1)),
@@ -213,7 +207,7 @@ def run_follower(ctx: Any, spec: ClusterSpec) -> int:
     holder: dict[str, Follower] = {}
     health = None
     if ctx.ports.get("http"):
-        health = HealthServer(_bind_host(ctx), int(ctx.ports["http"]),
+        health = HealthServer(ctx.bind_host, int(ctx.ports["http"]),
                               lambda: holder["f"].state() if "f" in holder else {})
     stop = threading.Event()
 
@@ -227,12 +221,13 @@ def run_follower(ctx: Any, spec: ClusterSpec) -> int:
     signal.signal(signal.SIGINT, on_signal)
     engine = keeper = bootstrap = control = follower = None
     try:
-        enable_compilation_cache(cfg.get("launcher", {}).get("compilation_cache_dir"))
+        settings = ctx.settings
+        enable_compilation_cache(settings.launcher.compilation_cache_dir)
         tp = int(ctx.process.get("mesh", {}).get("tp", 1))
         mesh = build_mesh(tp)
         log.info("follower %s: mesh tp=%d on %s", ctx.name, tp,
                  [str(d) for d in mesh.devices.flat])
-        runner = ModelRunner(cfg.model, cfg.engine, mesh)
+        runner = ModelRunner(cfg.model, settings.engine, mesh)
         runner.warmup(**warmup_kinds(ctx.role))  # the same compiled steps as the leader
         pd = ctx.role in ("prefill", "decode")
         if pd:
@@ -241,15 +236,15 @@ def run_follower(ctx: Any, spec: ClusterSpec) -> int:
                 bootstrap = BootstrapClient(ctx.bootstrap_url, ctx.token)
                 keeper = RegistrationKeeper(
                     bootstrap, follower_registration(ctx, runner, engine.address),
-                    float(cfg.bootstrap.heartbeat_interval_s)).start()
-                timeout = float(cfg.bootstrap.get("register_timeout_s", 60))
+                    settings.bootstrap.heartbeat_interval_s).start()
+                timeout = settings.bootstrap.register_timeout_s
                 if not keeper.wait_registered(timeout):
                     raise RuntimeError(f"could not register with the bootstrap server "
                                        f"{bootstrap.url} within {timeout:g}s")
         control = ControlClient(spec.control_addr, spec.process_id)
         peers = PeerRanks(bootstrap, ctx.rank) if ctx.role == "decode" else None
         follower = Follower(ctx, runner, engine, control, peers,
-                            kernels_impl=str(cfg.kernels.impl))
+                            kernels_impl=settings.kernels.impl)
         holder["f"] = follower
         if stop.is_set():
             return 0

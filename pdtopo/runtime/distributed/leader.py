@@ -41,12 +41,6 @@ JOIN_TIMEOUT_S = 300.0      # followers build the same model; they say hello whe
 ACK_GRACE_S = 5.0           # a follower's pull ack may come this late after the pull deadline
 
 
-def _bind_host(ctx: Any) -> str:
-    """`ProcessContext.bind_host` (server.bind_host, or the plan address when it is null)."""
-    bind = getattr(ctx, "bind_host", None)
-    return str(bind) if bind else str(ctx.cfg.server.bind_host or ctx.address)
-
-
 class _PullGroup:
     """D: the leader's own pull plus one ack per follower, as one Future."""
 
@@ -219,7 +213,7 @@ def attach_leader(ctx: Any, runner: Any) -> Any:
                            f"{spec.process_id}); followers run no scheduler")
     mirror = LeaderMirror(None, set(range(1, spec.num_processes)))
     port = spec.control_addr.rpartition(":")[2]
-    bind = f"{_bind_host(ctx)}:{port}"
+    bind = f"{ctx.bind_host}:{port}"
     server = ControlServer(bind, spec.num_processes - 1, mirror.on_message,
                            on_tick=mirror.on_tick)
     mirror.attach(server)

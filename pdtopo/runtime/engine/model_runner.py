@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from pdtopo.config.settings import EngineSettings, engine_settings
 from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
 from pdtopo.runtime.engine import attention as attn
 from pdtopo.runtime.engine.step_inputs import (
@@ -69,38 +70,28 @@ def warmup_kinds(role: str) -> dict[str, bool]:
     return dict(WARMUP_BY_ROLE.get(role, {}))
 
 
-def _engine_get(engine_cfg: Any, key: str, default: Any) -> Any:
-    value = engine_cfg.get(key, default) if engine_cfg is not None else default
-    return default if value is None else value
-
-
 class ModelRunner:
     """Weights + paged KV pool + bucketed, jitted batched forward (see module docstring)."""
 
-    def __init__(self, model_cfg: DictConfig, engine_cfg: DictConfig, mesh: Mesh):
-        if isinstance(engine_cfg, dict):
-            engine_cfg = OmegaConf.create(engine_cfg)
+    def __init__(self, model_cfg: DictConfig, engine: EngineSettings | DictConfig, mesh: Mesh):
+        engine = engine_settings(engine)  # a config node is typed and checked here
         self.config: ModelConfig = model_config_from_cfg(model_cfg)
         self.mesh = mesh
         if "tp" not in mesh.shape:
             raise ValueError(f"mesh axes {tuple(mesh.shape)} lack the 'tp' axis (build_mesh)")
         self.tp = int(mesh.shape["tp"])
         llama.check_tp(self.config, self.tp)
-        self.dtype = llama.resolve_dtype(_engine_get(engine_cfg, "dtype", "float32"))
-        self.kv_dtype = llama.resolve_dtype(
-            _engine_get(engine_cfg, "kv_dtype", str(self.dtype)), "engine.kv_dtype")
-        self.page_size = int(_engine_get(engine_cfg, "page_size", 16))
-        if self.page_size < 1:
-            raise ValueError(f"engine.page_size={self.page_size} must be >= 1")
-        self.max_model_len = int(_engine_get(engine_cfg, "max_model_len", 1024))
-        self.max_running_requests = int(_engine_get(engine_cfg, "max_running_requests", 32))
-        self.max_prefill_tokens = int(_engine_get(engine_cfg, "max_prefill_tokens", 1024))
+        self.dtype = llama.resolve_dtype(engine.dtype)
+        self.kv_dtype = llama.resolve_dtype(engine.kv_dtype, "engine.kv_dtype")
+        self.page_size = engine.page_size
+        self.max_model_len = engine.max_model_len
+        self.max_running_requests = engine.max_running_requests
+        self.max_prefill_tokens = engine.max_prefill_tokens
         self.max_pages_per_seq = math.ceil(self.max_model_len / self.page_size)
-        self.attention_impl = attn.resolve_impl(
-            str(_engine_get(engine_cfg, "attention_impl", "auto")), self.config.head_dim)
+        self.attention_impl = attn.resolve_impl(engine.attention_impl, self.config.head_dim)
 
         self.params = self._load_params()
-        self.num_pages = self._num_pages(engine_cfg)
+        self.num_pages = self._num_pages(engine)
         self.kv_sharding = NamedSharding(mesh, KV_PARTITION_SPEC)
         self.kv_caches: list[jax.Array] = self._allocate_pool()
 
@@ -137,14 +128,11 @@ class ModelRunner:
         per = self.page_size * (cfg.num_kv_heads // self.tp) * cfg.head_dim
         return 2 * cfg.num_layers * per * jnp.dtype(self.kv_dtype).itemsize
 
-    def _num_pages(self, engine_cfg: Any) -> int:
-        fraction = _engine_get(engine_cfg, "kv_memory_fraction", None)
+    def _num_pages(self, engine: EngineSettings) -> int:
+        fraction = engine.kv_memory_fraction
         if fraction is None:
-            n = int(_engine_get(engine_cfg, "num_pages", 512))
+            n = engine.num_pages
         else:
-            fraction = float(fraction)
-            if not 0.0 < fraction < 1.0:
-                raise ValueError(f"engine.kv_memory_fraction={fraction} must be in (0, 1)")
             stats = self.mesh.devices.flat[0].memory_stats()
             if not stats or "bytes_limit" not in stats:
                 raise ValueError(

@@ -73,16 +73,16 @@ class Scheduler:
 
     def __init__(self, ctx, runner, tokenizer, metrics: EngineMetrics | None = None):
         self.ctx = ctx
-        eng = ctx.cfg.engine
+        eng = ctx.settings.engine
         self.runner = runner
         self.tokenizer = tokenizer
-        self.page_size = int(runner.page_size)
-        self.allocator = PageAllocator(int(runner.num_pages))
-        self.max_model_len = int(eng.max_model_len)
-        self.max_prefill_tokens = int(eng.max_prefill_tokens)
-        self.max_running = int(eng.max_running_requests)
-        self.base_seed = int(eng.seed)
-        self.model_name = str(eng.get("served_model_name") or ctx.cfg.model.name)
+        self.page_size = runner.page_size
+        self.allocator = PageAllocator(runner.num_pages)
+        self.max_model_len = eng.max_model_len
+        self.max_prefill_tokens = eng.max_prefill_tokens
+        self.max_running = eng.max_running_requests
+        self.base_seed = eng.seed
+        self.model_name = eng.served_model_name or str(ctx.cfg.model.name)
         self.metrics = metrics or EngineMetrics(self.model_name, getattr(ctx, "role", self.role))
         self.eos_ids = set(int(t) for t in (tokenizer.eos_token_ids or []))
         self.sampler = Sampler()

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from omegaconf import OmegaConf
 
 from pdtopo.config.local_slices import LocalLayout, layout_from_topology
 from pdtopo.runtime.engine.mesh import build_mesh
@@ -49,22 +48,6 @@ class LocalDecodeScheduler(LocalDecodeMixin, Scheduler):
     """Decode on one decode mesh, fed by the transfer thread."""
 
 
-def local_settings(cfg) -> dict[str, Any]:
-    """The `local:` config section with defaults, validated (errors name the key)."""
-    raw = cfg.get("local") if hasattr(cfg, "get") else None
-    loc = OmegaConf.to_container(raw, resolve=True) if raw is not None else {}
-    out = {"transfer_backlog": 4, "decode_backlog": None, "fault_inject_thread": None,
-           "fault_inject_after_steps": 1, **(loc or {})}
-    for key in ("transfer_backlog", "fault_inject_after_steps"):
-        v = out[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"local.{key}={v!r} must be an integer >= 1")
-    v = out["decode_backlog"]
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-        raise ValueError(f"local.decode_backlog={v!r} must be null (auto) or an integer >= 1")
-    return out
-
-
 def worker_names(layout: LocalLayout) -> list[str]:
     return [s.name for s in layout.prefill] + ["transfer"] + [s.name for s in layout.decode]
 
@@ -75,25 +58,25 @@ def build_local_engine(ctx, tokenizer, metrics: EngineMetrics | None = None, *,
     cfg = ctx.cfg
     devs = list(jax.devices() if devices is None else devices)
     layout = layout_from_topology(cfg.topology, len(devs))
-    loc = local_settings(cfg)
-    target = loc["fault_inject_thread"]
+    loc = ctx.settings.local
+    target = loc.fault_inject_thread
     names = worker_names(layout)
     if target is not None and target not in names:
         raise ValueError(f"local.fault_inject_thread={target!r} is not a worker of this "
                          f"process (workers: {', '.join(names)})")
-    after = loc["fault_inject_after_steps"]
+    after = loc.fault_inject_after_steps
     if metrics is None:
         metrics = EngineMetrics(str(cfg.model.name), "local")
     gauges = GaugeBoard(metrics)
     board, load = RequestBoard(), DecodeLoad(len(layout.decode))
     stopping = threading.Event()
-    transfer_backlog: queue.Queue = queue.Queue(maxsize=loc["transfer_backlog"])
-    impl = str(OmegaConf.select(cfg, "kernels.impl", default="auto"))
+    transfer_backlog: queue.Queue = queue.Queue(maxsize=loc.transfer_backlog)
+    impl = ctx.settings.kernels.impl
 
     def common(s) -> dict[str, Any]:
         mesh = build_mesh(s.size, devs[s.first_device:s.first_device + s.size])
         log.info("%s: tp=%d on %s", s.name, s.size, [str(d) for d in mesh.devices.flat])
-        runner = ModelRunner(cfg.model, cfg.engine, mesh)
+        runner = ModelRunner(cfg.model, ctx.settings.engine, mesh)
         return {"runner": runner, "engine_name": s.name, "board": board,
                 "fault": FaultInjector(s.name, target, after), "on_crash": on_crash,
                 "stopping": stopping, "metrics": EngineMetricsView(gauges, s.name)}
@@ -108,7 +91,7 @@ def build_local_engine(ctx, tokenizer, metrics: EngineMetrics | None = None, *,
     for i, s in enumerate(layout.decode):
         kw = common(s)
         runner = kw.pop("runner")
-        cap = loc["decode_backlog"]
+        cap = loc.decode_backlog
         if cap is None:
             per_req = math.ceil(runner.max_model_len / runner.page_size)
             cap = max(1, (runner.num_pages - 1) // per_req)
