@@ -1,5 +1,7 @@
-"""Helpers for end-to-end tests: real deployments through `pdtopo launch --detach`, a real
-colocated reference server, port blocks, health waits, and process-leak checks."""
+"""Helpers for end-to-end tests: real deployments through `pdtopo launch --detach`, the one
+way to start a colocated server process (`ColocatedServer`), the one "pools back at baseline"
+check (`at_baseline` / `wait_pools_baseline`), port blocks, health waits and process-leak
+checks."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -128,19 +130,12 @@ class Deployment:
         left = processes_of_run(self.run_dir)
         assert left == [], f"processes of {self.run_dir} still alive after pdtopo stop: {left}"
 
-    def wait_pools_baseline(self, timeout: float = 10.0) -> dict[str, dict]:
-        """Poll every P/D/colocated/local server until its pool is back at its baseline (all
-        pages free, no request, no registered KV); fails with the last states otherwise."""
-        names = [p["name"] for p in self.plan["processes"]
-                 if p["role"] in ("prefill", "decode", "colocated", "local")
-                 and p.get("leader", True) is not False]
-        deadline = time.monotonic() + timeout
-        while True:
-            states = {n: pool_state(self.url(n)) for n in names}
-            if all(at_baseline(s) for s in states.values()):
-                return states
-            assert time.monotonic() < deadline, f"pools not back at baseline: {states}"
-            time.sleep(0.2)
+    def servers(self) -> dict[str, str]:
+        """{name: URL} of every P/D/colocated/local server (the leader of a multi-process
+        instance: followers have no pool state of their own to report)."""
+        return {p["name"]: self.url(p["name"]) for p in self.plan["processes"]
+                if p["role"] in ("prefill", "decode", "colocated", "local")
+                and p.get("leader", True) is not False}
 
 
 def processes_of_run(run_dir: Path) -> list[int]:
@@ -174,36 +169,92 @@ def wait_healthy(url: str, timeout: float = 300, proc: subprocess.Popen | None =
 
 
 class ColocatedServer:
-    """The reference: one non-disaggregated server with the same model, started directly."""
+    """The one way tests start a colocated (non-disaggregated) server process.
 
-    def __init__(self, port: int, overrides: Sequence[str] = (), log_path: Path | None = None):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+    Direct form: `python -m pdtopo.runtime.server --port PORT OVERRIDES...` (PORT: a free
+    one by default). With `run_dir`: the launcher's form `--run-dir RUN --process NAME`; the
+    port must then be the one RUN/plan.json gives the process. JAX runs on the CPU; `env` adds
+    to the environment (e.g. XLA_FLAGS for the number of devices). Output goes to `log_path`.
+
+    `start()` returns once /health answers 200; if the process exits or stays unhealthy it is
+    stopped and the error carries the log tail. `stop()` sends SIGTERM to the process group
+    (SIGKILL after `timeout`) and returns the exit code; `stop_and_check()` also requires exit
+    code 0 (SIGTERM is a graceful shutdown). As a context manager: start, then stop, and with
+    `check_exit=True` check the exit code when the body did not raise."""
+
+    def __init__(self, port: int | None = None, overrides: Sequence[str] = (),
+                 log_path: Path | None = None, *, run_dir: Path | None = None,
+                 process: str = "colocated_0", env: Mapping[str, str] | None = None,
+                 check_exit: bool = False):
+        self.port = port if port is not None else port_block(1)
+        self.url = f"http://127.0.0.1:{self.port}"
         self.overrides = list(overrides)
-        self.log_path = log_path
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.process = process
+        self.env = dict(env or {})
+        self.check_exit = check_exit
         self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def command(self) -> list[str]:
+        if self.run_dir is not None:
+            where = ["--run-dir", str(self.run_dir), "--process", self.process]
+        else:
+            where = ["--port", str(self.port)]
+        return [sys.executable, "-m", "pdtopo.runtime.server", *where, *self.overrides]
 
     def start(self, timeout: float = 300) -> ColocatedServer:
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath, **self.env}
+        self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdtopo.runtime.server", "--port", str(self.port),
-             *self.overrides],
-            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            self.command(), cwd=REPO_ROOT, env=env, stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, start_new_session=True,
         )
-        wait_healthy(self.url, timeout, self.proc)
+        try:
+            wait_healthy(self.url, timeout, self.proc)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise type(exc)(f"colocated server {self.url}: {exc}\n{self.log_tail()}") from None
         return self
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+    def log_tail(self, n: int = 4000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return (f"--- {self.log_path} (last {n} characters)\n"
+                + self.log_path.read_text(errors="replace")[-n:])
+
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGTERM the process group, SIGKILL after `timeout`; the exit code (None: never
+        started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with suppress(ProcessLookupError):  # it may exit meanwhile
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.proc.returncode
+
+    def stop_and_check(self) -> None:
+        code = self.stop()
+        assert code == 0, f"server exit code {code} after SIGTERM:\n{self.log_tail()}"
+
+    def __enter__(self) -> ColocatedServer:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and self.check_exit:
+            self.stop_and_check()
+        else:
+            self.stop()
 
 
 def generate(url: str, payload: dict, timeout: float = 120) -> dict | list:
@@ -231,23 +282,78 @@ def pool_state(url: str) -> dict:
     return httpx.get(f"{url}/pdtopo/state", timeout=10).json()
 
 
+# Counters that are 0 on a server with nothing in flight: requests (all, running, waiting),
+# P's registered KV and senders awaiting D, D's preallocation and transfer queues.
+_ZERO_AT_BASELINE = ("num_reqs", "num_running", "num_waiting", "pd_registered_kv",
+                     "pd_inflight_senders", "pd_prealloc", "pd_transfers")
+
+
+def baseline_problems(state: dict) -> list[str]:
+    """Why a server's /pdtopo/state is not at its baseline (empty: it is): pages in use or a
+    non-zero `_ZERO_AT_BASELINE` counter, also in each engine of a local server."""
+    problems = []
+    if state["free_pages"] != state["total_pages"]:
+        problems.append(f"free_pages={state['free_pages']} of total_pages={state['total_pages']}")
+    problems += [f"{k}={state[k]}" for k in _ZERO_AT_BASELINE if state.get(k, 0)]
+    for name, engine in sorted((state.get("engines") or {}).items()):
+        problems += [f"engines.{name}.{p}" for p in baseline_problems(engine)]
+    return problems
+
+
 def at_baseline(state: dict) -> bool:
-    return (state["free_pages"] == state["total_pages"] and state["num_reqs"] == 0
-            and state.get("pd_registered_kv", 0) == 0)
+    """The pool is back at its baseline: every page free, nothing in flight."""
+    return not baseline_problems(state)
+
+
+def leaked_pages(states: Mapping[str, dict]) -> int:
+    return sum(s["total_pages"] - s["free_pages"] for s in states.values())
+
+
+def wait_pools_baseline(servers: Deployment | Mapping[str, str] | str, timeout: float = 10.0,
+                        interval: float = 0.2) -> tuple[float, dict[str, dict]]:
+    """Poll /pdtopo/state of every server (a deployment's `servers()`, a {name: URL} map or
+    one URL) until all are `at_baseline` in the same round; return (seconds it took, the final
+    states). A server that does not answer (restarting) is polled again. After `timeout`:
+    AssertionError naming what each server still holds, its last state and its last error."""
+    if isinstance(servers, Deployment):
+        urls = servers.servers()
+    elif isinstance(servers, str):
+        urls = {servers: servers}
+    else:
+        urls = dict(servers)
+    t0 = time.monotonic()
+    states: dict[str, dict] = {}
+    errors: dict[str, BaseException] = {}
+    while True:
+        fresh = {}
+        for name, url in urls.items():
+            try:
+                state = pool_state(url)
+                if not isinstance(state, dict) or "free_pages" not in state:
+                    raise ValueError(f"no pool state in the answer: {state!r:.300}")
+                fresh[name] = state
+            except (httpx.HTTPError, OSError, ValueError) as exc:
+                errors[name] = exc
+        states.update(fresh)
+        if len(fresh) == len(urls) and all(at_baseline(s) for s in fresh.values()):
+            return time.monotonic() - t0, states
+        if time.monotonic() - t0 > timeout:
+            lines = [f"pools not back at baseline within {timeout:g} s:"]
+            for name in urls:
+                why = baseline_problems(states[name]) if name in states else ["no state"]
+                if name not in fresh:
+                    why.append(f"no answer at the last poll ({errors.get(name)!r})")
+                if why:
+                    lines.append(f"  {name} ({urls[name]}): {', '.join(why)}")
+            lines.append("last states: " + json.dumps(states, indent=1, sort_keys=True))
+            raise AssertionError("\n".join(lines))
+        time.sleep(interval)
 
 
 @contextmanager
 def colocated_reference(log_dir: Path, overrides: Sequence[str], prompts: Sequence[str],
                         sampling: dict) -> Iterator[dict[str, list[int]]]:
     """Greedy output ids of a colocated server (same model and seed) for every prompt."""
-    log = Path(log_dir) / "colocated.log"
-    server = ColocatedServer(port_block(1), overrides, log_path=log)
-    try:
-        try:
-            server.start()
-        except Exception:
-            raise RuntimeError(f"colocated server failed:\n{log.read_text()[-4000:]}") from None
+    with ColocatedServer(port_block(1), overrides, Path(log_dir) / "colocated.log") as server:
         yield {p: generate(server.url, {"text": p, "sampling_params": sampling})["output_ids"]
                for p in prompts}
-    finally:
-        server.stop()

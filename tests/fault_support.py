@@ -1,7 +1,8 @@
 """Helpers for the fault tests (tests/test_faults_*.py): a deployment tuned for fast failure
 detection, supervisord-level process control (kill -9, SIGSTOP, restart), bounded polling for
-pools back to baseline / re-registration / service resumed, RSS readings and a load generator
-that records what each client request saw (status, error text, latency).
+re-registration / service resumed, RSS readings and a load generator that records what each
+client request saw (status, error text, latency). Pools back at baseline:
+`tests.e2e_support.wait_pools_baseline`.
 
 Everything polls with a deadline; nothing sleeps for a fixed time where a state can be polled.
 """
@@ -9,7 +10,6 @@ Everything polls with a deadline; nothing sleeps for a fixed time where a state 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import signal
 import time
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from pdtopo.launcher.supervisor_control import Supervisor, pid_alive
-from tests.e2e_support import Deployment, deployment_overrides, pool_state, port_block
+from tests.e2e_support import Deployment, deployment_overrides, port_block
 
 KV_TIMEOUT_S = 5
 SENDER_EXPIRY_S = 8  # > KV_TIMEOUT_S: P never frees KV that D may still pull
@@ -131,32 +131,6 @@ def bootstrap_list(dep: Deployment, role: str | None = None) -> list[dict]:
                      headers={"Authorization": f"Bearer {token(dep)}"}, timeout=5)
     resp.raise_for_status()
     return resp.json()
-
-
-def at_baseline(state: dict) -> bool:
-    """No request, no page, no PD bookkeeping held."""
-    return (state["free_pages"] == state["total_pages"] and state["num_reqs"] == 0
-            and state.get("pd_registered_kv", 0) == 0 and state.get("pd_inflight_senders", 0) == 0
-            and state.get("pd_prealloc", 0) == 0 and state.get("pd_transfers", 0) == 0)
-
-
-def wait_baseline(dep: Deployment, timeout: float = 60) -> tuple[float, dict[str, dict]]:
-    """Seconds until every P and D is at baseline, and their final states."""
-    names = dep.names("prefill") + dep.names("decode")
-    states: dict[str, dict] = {}
-
-    def check() -> bool:
-        states.update({n: pool_state(dep.url(n)) for n in names})
-        return all(at_baseline(s) for s in states.values())
-    try:
-        took = wait_until(check, timeout, interval=0.2, what="pools at baseline")
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}: {json.dumps(states, indent=1)}") from None
-    return took, states
-
-
-def leaked_pages(states: dict[str, dict]) -> int:
-    return sum(s["total_pages"] - s["free_pages"] for s in states.values())
 
 
 # ------------------------------------------------------------------ load

@@ -9,7 +9,9 @@ import json
 
 import httpx
 import pytest
-from api_server import assert_pool_baseline, direct_server
+from api_server import direct_server
+
+from tests.e2e_support import wait_pools_baseline
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +25,7 @@ def url(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def pool_baseline(url):
     yield
-    assert_pool_baseline(url)
+    wait_pools_baseline(url, timeout=20)
 
 
 def post(url, path, body, **kw):
@@ -193,7 +195,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(url):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # got the first token; leave -> connection closed
-    assert_pool_baseline(url)
+    wait_pools_baseline(url, timeout=20)
     generated = httpx.get(url + "/pdtopo/state").json()["num_generated"] - before
     assert generated < 1000, generated
     metrics = httpx.get(url + "/metrics").text
@@ -205,7 +207,7 @@ def test_client_disconnect_non_streaming_aborts(url):
     body = {"text": "long", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/generate", json=body, timeout=httpx.Timeout(5, read=0.3))
-    assert_pool_baseline(url)
+    wait_pools_baseline(url, timeout=20)
     assert httpx.get(url + "/pdtopo/state").json()["num_generated"] - before < 1000
 
 

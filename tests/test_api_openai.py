@@ -6,7 +6,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from api_server import assert_pool_baseline, run_dir_server
+from api_server import run_dir_server
+
+from tests.e2e_support import wait_pools_baseline
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +27,7 @@ def client(url):
 @pytest.fixture(autouse=True)
 def pool_baseline(url):
     yield
-    assert_pool_baseline(url)
+    wait_pools_baseline(url, timeout=20)
 
 
 def test_served_model_name_from_config(client, url):

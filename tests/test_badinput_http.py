@@ -15,13 +15,14 @@ import json
 
 import httpx
 import pytest
-from api_server import assert_pool_baseline, direct_server
+from api_server import direct_server
 from conftest import free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pdtopo.runtime.bootstrap.protocol import Heartbeat, Registration
+from tests.e2e_support import wait_pools_baseline
 from tests.test_bootstrap import TOKEN, _start, _stop
 
 pytestmark = pytest.mark.slow
@@ -113,7 +114,7 @@ def test_raw_bytes_never_5xx(server, route, raw):
 
 def test_server_serves_and_pool_is_at_baseline_after_fuzzing(server):
     # runs after the fuzz tests in this module (pytest keeps file order)
-    assert_pool_baseline(server)
+    wait_pools_baseline(server, timeout=20)
     resp = httpx.post(server + "/generate", timeout=60, json={
         "text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
     assert resp.status_code == 200 and len(resp.json()["output_ids"]) >= 1

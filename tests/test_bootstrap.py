@@ -59,6 +59,7 @@ def _reg(role="prefill", instance="prefill_0", tp_rank=0, tp_size=1, zmq_port=32
     )
 
 
+@pytest.mark.slow
 def test_register_list_route_and_find(server):
     c = BootstrapClient(server, TOKEN)
     assert c.register(_reg(tp_rank=0, tp_size=2, zmq_port=32010))["status"] == "registered"
@@ -77,6 +78,7 @@ def test_register_list_route_and_find(server):
         c.route("prefill", "prefill_0", {"tp_rank": 5})
 
 
+@pytest.mark.slow
 def test_heartbeat_and_ttl_expiry(server):
     c = BootstrapClient(server, TOKEN)
     c.register(_reg(instance="prefill_ttl", zmq_port=32030))
@@ -92,6 +94,7 @@ def test_heartbeat_and_ttl_expiry(server):
     assert resp.status_code == 404 and "register again" in resp.json()["detail"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
 def test_wrong_token_is_401(server, headers):
     body = _reg(instance="intruder").model_dump()
@@ -104,6 +107,7 @@ def test_wrong_token_is_401(server, headers):
     assert all(e["instance_id"] != "intruder" for e in ok)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mutate, field",
     [
@@ -125,6 +129,7 @@ def test_malformed_payloads_are_400_naming_the_field(server, mutate, field):
     assert httpx.get(f"{server}/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_garbage_bodies_keep_server_up(server):
     h = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
     for raw in (b"{", b"[]", b"null", b"\xff\xfe", b'{"role": 1}' * 1000):

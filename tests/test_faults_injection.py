@@ -12,14 +12,17 @@ import time
 import httpx
 import pytest
 
-from tests.e2e_support import ColocatedServer, generate, port_block, processes_of_run
+from tests.e2e_support import (
+    colocated_reference,
+    leaked_pages,
+    processes_of_run,
+    wait_pools_baseline,
+)
 from tests.fault_support import (
     FAULT_OVERRIDES,
     launch_fault_deployment,
-    leaked_pages,
     post_generate,
     run_concurrently,
-    wait_baseline,
     wait_until,
 )
 
@@ -32,15 +35,10 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    log = tmp_path_factory.mktemp("faultref") / "server.log"
     model = [o for o in FAULT_OVERRIDES if o.startswith(("model.", "engine."))]
-    server = ColocatedServer(port_block(1), model, log_path=log)
-    try:
-        server.start()
-        yield {p: generate(server.url, {"text": p, "sampling_params": GREEDY})["output_ids"]
-               for p in PROMPTS}
-    finally:
-        server.stop()
+    with colocated_reference(tmp_path_factory.mktemp("faultref"), model, PROMPTS,
+                             GREEDY) as ids:
+        yield ids
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +90,7 @@ def test_injected_faults_fail_cleanly_or_match_reference(dep, reference):
     assert failed > 0, "p=0.05 over 200 requests injected no fault"
     assert ok >= 150, collections.Counter(o.status for o in outs)
     assert health and all(code == 200 for _, code in health), collections.Counter(health)
-    baseline_s, states = wait_baseline(dep, timeout=60)
+    baseline_s, states = wait_pools_baseline(dep, timeout=60)
     assert leaked_pages(states) == 0 and states["prefill_0"]["pd_registered_kv"] == 0
     print(f"\n[reliability] fault injection p={PROB}: requests=200 ok={ok} failed={failed} "
           f"seconds={took:.1f} health_generate_probes={len(health)} all 200, "

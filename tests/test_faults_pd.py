@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e_support import pool_state, processes_of_run
+from tests.e2e_support import leaked_pages, pool_state, processes_of_run, wait_pools_baseline
 from tests.fault_support import (
     KV_TIMEOUT_S,
     SENDER_EXPIRY_S,
@@ -30,12 +30,10 @@ from tests.fault_support import (
     bootstrap_list,
     kill9,
     launch_fault_deployment,
-    leaked_pages,
     post_generate,
     program_pid,
     rss_mib,
     run_concurrently,
-    wait_baseline,
     wait_restarted,
     wait_serving,
     wait_until,
@@ -151,7 +149,7 @@ def test_prefill_killed_mid_flight(dep):
     ok = run_concurrently([lambda i=i: post_generate(dep.proxy_url, short_request(i))
                            for i in range(8)], workers=8)
     assert [o.status for o in ok] == [200] * 8, ok
-    baseline_s, states = wait_baseline(dep, timeout=30)
+    baseline_s, states = wait_pools_baseline(dep, timeout=30)
     assert leaked_pages(states) == 0
     report("P killed", requests=len(outs), failed=len(failed),
            last_error_after_kill_s=round(max(o.t_end for o in failed) - t_kill, 2),
@@ -197,7 +195,7 @@ def test_decode_killed_mid_flight(dep):
     restart_s = wait_restarted(dep, "decode_0", old)
     serving_s = wait_serving(dep.proxy_url, timeout=60)
     recovery_s = time.monotonic() - t_kill
-    baseline_s, states = wait_baseline(dep, timeout=30)
+    baseline_s, states = wait_pools_baseline(dep, timeout=30)
     assert leaked_pages(states) == 0
     report("D killed", requests=len(outs), failed=len(failed),
            last_error_after_kill_s=round(max(o.t_end for o in failed) - t_kill, 2),
@@ -216,7 +214,7 @@ def test_bootstrap_restart_and_heartbeat_ttl(dep):
         return {e["instance_id"] for e in bootstrap_list(dep)}
 
     wait_serving(dep.proxy_url, timeout=60)
-    wait_baseline(dep, timeout=30)
+    wait_pools_baseline(dep, timeout=30)
     assert listed() == {"prefill_0", "decode_0"}
     t_kill = time.monotonic()
     old = kill9(dep, "bootstrap")
@@ -251,7 +249,7 @@ def test_bootstrap_restart_and_heartbeat_ttl(dep):
                what="resumed P registered again")
     back_s = time.monotonic() - t_cont
     serving_s = wait_serving(dep.proxy_url, timeout=60)
-    baseline_s, states = wait_baseline(dep, timeout=30)
+    baseline_s, states = wait_pools_baseline(dep, timeout=30)
     assert leaked_pages(states) == 0
     report("bootstrap killed / P stopped", bootstrap_restart_s=round(up_s, 2),
            reregistered_after_bootstrap_up_s=round(rereg_s, 2),
@@ -295,7 +293,7 @@ def test_leak_soak(dep):
     # warm-up (first-use allocations are not leaks), then the RSS baseline
     run_concurrently([normal(-i) for i in range(1, 65)], workers=32)
     aborted(-1)()
-    wait_baseline(dep, timeout=30)
+    wait_pools_baseline(dep, timeout=30)
     p_pid, d_pid = program_pid(dep, "prefill_0"), program_pid(dep, "decode_0")
     rss_before = {"P": rss_mib(p_pid), "D": rss_mib(d_pid)}
 
@@ -322,7 +320,7 @@ def test_leak_soak(dep):
         stop.set()
         watcher.join(15)
     soak_s = time.monotonic() - t0
-    baseline_s, states = wait_baseline(dep, timeout=KV_TIMEOUT_S + SENDER_EXPIRY_S + 20)
+    baseline_s, states = wait_pools_baseline(dep, timeout=KV_TIMEOUT_S + SENDER_EXPIRY_S + 20)
     rss_after = {"P": rss_mib(p_pid), "D": rss_mib(d_pid)}
 
     by_kind = collections.defaultdict(collections.Counter)

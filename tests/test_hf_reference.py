@@ -22,7 +22,13 @@ from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import make_scheduler
 from pdtopo.runtime.settings import direct_process_context
 from tests.conftest import free_port
-from tests.e2e_support import Deployment, deployment_overrides, generate, port_block
+from tests.e2e_support import (
+    Deployment,
+    deployment_overrides,
+    generate,
+    port_block,
+    wait_pools_baseline,
+)
 from tests.hf_checkpoints import CASE_IDS, CASES, Case, build, hf_greedy, prompts
 
 ATOL = 1e-4
@@ -167,6 +173,6 @@ def test_launched_1p1d_serves_hf_tokens(tmp_path):
             assert out["output_ids"] == ref.tokens
         outs = generate(dep.proxy_url, {"input_ids": batch, "sampling_params": sampling})
         assert [o["output_ids"] for o in outs] == [r.tokens for r in refs]
-        dep.wait_pools_baseline()
+        wait_pools_baseline(dep)
     finally:
         dep.stop_and_check()

@@ -37,7 +37,13 @@ from omegaconf import OmegaConf
 from pdtopo.config.compose import compose_config
 from pdtopo.launcher.run_dir import resolved_config
 from pdtopo.runtime.settings import TOKEN_ENV
-from tests.e2e_support import REPO_ROOT, pool_state, port_block, wait_healthy
+from tests.e2e_support import (
+    REPO_ROOT,
+    pool_state,
+    port_block,
+    wait_healthy,
+    wait_pools_baseline,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -163,18 +169,8 @@ def _pd(cluster: Cluster, prefill: str, body: dict) -> tuple[httpx.Response, htt
         return fp.result(), fd.result()
 
 
-def _baseline(cluster: Cluster, names, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        states = {n: pool_state(cluster.url(n)) for n in names}
-        ok = all(s["free_pages"] == s["total_pages"] and s["num_reqs"] == 0
-                 and s.get("pd_registered_kv", 0) == 0 and s.get("pd_inflight_senders", 0) == 0
-                 and s.get("pd_prealloc", 0) == 0 and s.get("pd_transfers", 0) == 0
-                 for s in states.values())
-        if ok or time.monotonic() > deadline:
-            assert ok, states
-            return
-        time.sleep(0.2)
+def _baseline(cluster: Cluster, names) -> None:
+    wait_pools_baseline({n: cluster.url(n) for n in names})
 
 
 def test_per_role_engine_overrides_apply_in_each_process(cluster):

@@ -19,9 +19,9 @@ from tests.e2e_support import (
     colocated_reference,
     deployment_overrides,
     generate,
-    pool_state,
     port_block,
     wait_healthy,
+    wait_pools_baseline,
 )
 
 pytestmark = pytest.mark.slow
@@ -71,16 +71,9 @@ def test_greedy_matches_colocated_and_pools_return(local, reference):
         outs = list(ex.map(lambda p: generate(url, {"text": p, "sampling_params": GREEDY}),
                            PROMPTS * 3))
     assert [o["output_ids"] for o in outs] == [reference[p] for p in PROMPTS * 3]
-    deadline = time.monotonic() + 10
-    while True:
-        st = pool_state(url)
-        engines = st["engines"]
-        done = st["num_reqs"] == 0 and all(
-            e["free_pages"] == e["total_pages"] and e["num_reqs"] == 0 for e in engines.values())
-        if done or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert done, st
+    _, states = wait_pools_baseline({name: url})
+    st = states[name]
+    engines = st["engines"]
     assert set(engines) == {"prefill_0", "decode_0", "decode_1"}
     assert st["free_pages"] == st["total_pages"] == sum(e["total_pages"] for e in engines.values())
     assert st["local_transfers"] == len(outs)

@@ -109,6 +109,7 @@ def layouts():
         assert not orch.alive
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode_slices", ["[2]", "[1,1]"], ids=["2-2", "2-1-1"])
 def test_greedy_equals_colocated_and_pools_return(reference, layouts, decode_slices):
     orch = layouts(decode_slices)
@@ -136,6 +137,7 @@ def test_greedy_equals_colocated_and_pools_return(reference, layouts, decode_sli
     assert orch.alive
 
 
+@pytest.mark.slow
 def test_backpressure_keeps_outputs_exact(reference, layouts):
     """12 requests at once into one decode engine (batch cap 4, backlog 2, transfer backlog
     4): prefill and transfer block, the decode engine holds the backlog head until a slot
@@ -148,6 +150,7 @@ def test_backpressure_keeps_outputs_exact(reference, layouts):
     assert st["engines"]["decode_0"]["waits"] >= 1  # the backlog head did wait for room
 
 
+@pytest.mark.slow
 def test_abort_duplicate_and_too_long(reference, layouts):
     orch = layouts("[1,1]")
     assert "max_model_len" in orch.check_fits(100, 100)
@@ -171,6 +174,7 @@ def test_abort_duplicate_and_too_long(reference, layouts):
     _wait_baseline(orch)
 
 
+@pytest.mark.slow
 def test_crashed_worker_thread_is_reported_not_silent():
     crashes = Crashes()
     orch = _local(["topology.prefill_slices=2", "topology.decode_slices=[2]",

@@ -125,12 +125,8 @@ def two_hosts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     log = tmp_path_factory.mktemp("colocated") / "server.log"
-    server = ColocatedServer(port_block(1), MODEL, log_path=log)
-    try:
-        server.start()
+    with ColocatedServer(port_block(1), MODEL, log_path=log) as server:
         yield {p: generate(server.url, {"text": p, "sampling_params": GREEDY}) for p in PROMPTS}
-    finally:
-        server.stop()
 
 
 def _post_in(nss: Namespaces, side: str, url: str, payload: dict) -> dict:

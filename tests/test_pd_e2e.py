@@ -18,6 +18,7 @@ from tests.e2e_support import (
     generate,
     port_block,
     stream_generate,
+    wait_pools_baseline,
 )
 
 pytestmark = pytest.mark.slow
@@ -37,14 +38,8 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0}
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
     log = tmp_path_factory.mktemp("colocated") / "server.log"
-    server = ColocatedServer(port_block(1), MODEL, log_path=log)
-    try:
-        server.start()
-    except Exception:
-        server.stop()
-        raise RuntimeError(f"colocated server failed:\n{log.read_text()[-4000:]}") from None
-    yield server
-    server.stop()
+    with ColocatedServer(port_block(1), MODEL, log_path=log) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +115,7 @@ def test_concurrent_requests_and_pools_back_to_baseline(pd, reference):
             lambda p: generate(pd.proxy_url, {"text": p, "sampling_params": GREEDY}),
             PROMPTS * 3))
     assert [o["output_ids"] for o in outs] == [reference[p]["output_ids"] for p in PROMPTS * 3]
-    pd.wait_pools_baseline()
+    wait_pools_baseline(pd)
 
 
 def test_bad_request_is_a_clear_400_and_service_continues(pd, reference):

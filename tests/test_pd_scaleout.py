@@ -16,6 +16,7 @@ from tests.e2e_support import (
     deployment_overrides,
     generate,
     port_block,
+    wait_pools_baseline,
 )
 
 pytestmark = pytest.mark.slow
@@ -60,7 +61,7 @@ def test_2p2d_32_concurrent_requests(tmp_path_factory, reference):
             assert _counter(dep.url(name), "sglang:prompt_tokens_total") > 0, name
         for name in dep.names("decode"):
             assert _counter(dep.url(name), "sglang:generation_tokens_total") > 0, name
-        dep.wait_pools_baseline()
+        wait_pools_baseline(dep)
     finally:
         dep.stop_and_check()
 
@@ -78,6 +79,6 @@ def test_tensor_parallel_1p1d_matches_colocated(tmp_path_factory, reference):
             assert out["output_ids"] == reference[prompt], prompt
         info = httpx.get(f"{dep.url('decode_0')}/get_server_info").json()
         assert info["tp_size"] == 2
-        dep.wait_pools_baseline()
+        wait_pools_baseline(dep)
     finally:
         dep.stop_and_check()

@@ -20,6 +20,8 @@ from pdtopo.runtime.scheduler_factory import DecodeScheduler, PrefillScheduler, 
 from pdtopo.runtime.settings import direct_process_context
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.slow  # real model runners behind real schedulers
+
 OVERRIDES = ["model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
              "engine.max_running_requests=8", "disaggregation.kv_timeout_s=15",
              "disaggregation.sender_expiry_s=15"]

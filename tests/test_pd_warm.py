@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import jax
+import pytest
 
 from pdtopo.config.compose import compose_config
 from pdtopo.runtime.engine.mesh import build_mesh
@@ -16,6 +17,8 @@ from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import make_scheduler
 from pdtopo.runtime.settings import direct_process_context
 from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow  # real model runners behind real schedulers
 
 OVERRIDES = ["model.num_layers=2", "engine.num_pages=96", "engine.page_size=8",
              "engine.max_model_len=96", "engine.max_running_requests=8",

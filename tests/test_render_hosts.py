@@ -7,24 +7,77 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from pdtopo.cli import main
 from pdtopo.launcher.render_supervisord import socket_path
+from tests.golden_support import neutral_text
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "hosts"
 REGEN = os.environ.get("PDTOPO_REGEN_GOLDEN") == "1"
 
 
-def _neutral(text: str, run: Path, hdir: Path) -> str:
-    """Machine-independent text: run dir, socket, interpreter, token and CPU cores neutral."""
-    out = text.replace(socket_path(hdir), "SOCKET")
-    out = re.sub(r"pdtopo\.launcher\.pin [0-9,]+ --", "pdtopo.launcher.pin CORES --", out)
-    out = out.replace(str(run), "RUN").replace(os.getcwd(), "WORKDIR")
-    token = (run / "token").read_text().strip()
-    return out.replace(token, "TOKEN").replace(os.sys.executable, "PYTHON")
+def _neutral(text: str, run: Path, hdir: Path, *, workdir: str | None = None,
+             python: str | None = None) -> str:
+    """Machine-independent text: run dir, socket, working directory, interpreter, token and
+    CPU cores neutral (`workdir` / `python`: the cwd and sys.executable by default)."""
+    out = neutral_text(text, {
+        socket_path(hdir): "SOCKET",
+        str(run): "RUN",
+        workdir if workdir is not None else os.getcwd(): "WORKDIR",
+        python if python is not None else sys.executable: "PYTHON",
+        (run / "token").read_text().strip(): "TOKEN",
+    })
+    return re.sub(r"pdtopo\.launcher\.pin [0-9,]+ --", "pdtopo.launcher.pin CORES --", out)
+
+
+# Interpreter layouts relative to the working directory "nc": wherever the venv is, the
+# goldens say WORKDIR and PYTHON (a plain replace of the cwd first would leave
+# WORKDIR/.venv/bin/python or WORKDIR-venv/bin/python).
+VENVS = {"venv-inside-checkout": "nc/.venv/bin/python",
+         "venv-beside-checkout": "nc-venv/bin/python"}
+
+
+@pytest.mark.parametrize("python", VENVS.values(), ids=VENVS.keys())
+def test_neutral_text_whole_paths_longest_first(python):
+    run, workdir, py = "/x/run", "/x/nc", f"/x/{python}"
+    text = (f"directory={workdir}\n"
+            f"command={py} -m pdtopo.launcher.pin 0,1 -- {py} -m pdtopo.runtime.server "
+            f"--run-dir {run}/hosts/h --process p\n"
+            f'environment=PDTOPO_DEPLOYMENT_TOKEN="tok"\n'
+            f"serverurl=unix://{run}/hosts/h/supervisor.sock\n"
+            f"kept={workdir}-other/x /y{workdir} {run}2\n")
+    got = neutral_text(text, {f"{run}/hosts/h/supervisor.sock": "SOCKET", run: "RUN",
+                              workdir: "WORKDIR", py: "PYTHON", "tok": "TOKEN"})
+    assert got == ("directory=WORKDIR\n"
+                   "command=PYTHON -m pdtopo.launcher.pin 0,1 -- PYTHON -m pdtopo.runtime.server "
+                   "--run-dir RUN/hosts/h --process p\n"
+                   'environment=PDTOPO_DEPLOYMENT_TOKEN="TOKEN"\n'
+                   "serverurl=unix://SOCKET\n"
+                   f"kept={workdir}-other/x /y{workdir} {run}2\n")
+    assert neutral_text(text, {}) == text
+
+
+@pytest.mark.parametrize("python", VENVS.values(), ids=VENVS.keys())
+def test_golden_independent_of_venv_location(tmp_path, monkeypatch, python):
+    """The real render with the checkout at tmp/nc and the interpreter inside it or beside it
+    matches the same golden."""
+    (tmp_path / "nc").mkdir()
+    monkeypatch.chdir(tmp_path / "nc")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / python))
+    run = tmp_path / "run"
+    assert main(["render", "topology=1p1d_cpu_2host", "server.bind_host=null",
+                 "launcher.compilation_cache_dir=null", f"hydra.run.dir={run}"]) == 0
+    for host in ("host-a", "host-b"):
+        hdir = run / "hosts" / host
+        raw = (hdir / "supervisord.conf").read_text()
+        assert f"{tmp_path / python} -m pdtopo.runtime" in raw  # the layout under test
+        conf = _neutral(raw, run, hdir)
+        assert "WORKDIR/" not in conf and "WORKDIR-" not in conf
+        assert conf == (GOLDEN / "1p1d_cpu_2host" / f"{host}.conf").read_text()
 
 
 @pytest.mark.parametrize("topology,hosts", [

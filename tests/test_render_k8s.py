@@ -18,6 +18,7 @@ from pdtopo.cli import main
 from pdtopo.launcher.k8s_plan import GROUP_VAR, WORKER_VAR, pod_name
 from pdtopo.launcher.render_k8s import config_hash, to_yaml
 from pdtopo.runtime.settings import TOKEN_ENV, load_process_context
+from tests.golden_support import neutral_text
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "k8s"
 REGEN = os.environ.get("PDTOPO_REGEN_GOLDEN") == "1"
@@ -100,13 +101,13 @@ def test_k8s_manifests_golden(tmp_path, topology):
     cm = next(p for p in (run / "k8s").iterdir() if "-configmap-" in p.name)
     digest = config_hash(config, yaml.safe_load(cm.read_text())["data"]["plan.json"])
     for name in names:
-        text = (run / "k8s" / name).read_text().replace(token, "TOKEN")
+        text = neutral_text((run / "k8s" / name).read_text(), {token: "TOKEN"})
         obj = yaml.safe_load(text)
         if obj["kind"] == "ConfigMap":  # the composed config: RUN/config.yaml, not golden (it
             assert obj["data"]["config.yaml"] == config  # changes with every new config key)
             obj["data"]["config.yaml"] = "CONFIG"
             text = to_yaml(obj)
-        text = text.replace(digest, "CONFIG_SHA256")
+        text = neutral_text(text, {digest: "CONFIG_SHA256"})
         if obj["kind"] in ("Deployment", "LeaderWorkerSet"):
             assert "pdtopo.io/config-sha256: CONFIG_SHA256" in text  # pods roll on a new config
         if REGEN:
@@ -269,6 +270,7 @@ def test_unknown_format_refused(tmp_path, capsys):
     assert "--format" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_bootstrap_pod_command_serves_from_the_configmap(tmp_path):
     """The bootstrap Deployment's command (with --host, here 127.0.0.1 instead of 0.0.0.0)
     runs the real bootstrap server from the ConfigMap's files and answers /health."""

@@ -13,6 +13,8 @@ from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.settings import direct_process_context
 
+pytestmark = pytest.mark.slow  # real model runners behind real schedulers
+
 PROMPT_LENS = [3, 11, 1, 25, 7, 14, 2, 17]
 NEW = 16
 

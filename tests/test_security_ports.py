@@ -37,6 +37,7 @@ from tests.e2e_support import (
     port_block,
     processes_of_run,
     run_pdtopo,
+    wait_pools_baseline,
 )
 
 pytestmark = pytest.mark.slow
@@ -97,19 +98,6 @@ def _post(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
 
 def _servers(dep: Deployment) -> list[str]:
     return dep.names("prefill") + dep.names("decode")
-
-
-def _wait_baseline(dep: Deployment, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        states = {n: pool_state(dep.url(n)) for n in _servers(dep)}
-        ok = all(s["free_pages"] == s["total_pages"] and s["num_reqs"] == 0
-                 and s.get("pd_registered_kv", 0) == 0 and s.get("pd_prealloc", 0) == 0
-                 and s.get("pd_transfers", 0) == 0 for s in states.values())
-        if ok or time.monotonic() > deadline:
-            assert ok, f"pools not back at baseline: {states}"
-            return states
-        time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------------- item 9: API key
@@ -264,7 +252,7 @@ def test_prefill_rejection_is_a_clear_400_and_d_decodes_nothing(deps, reference,
     assert resp.status_code == 400, resp.text
     assert field in resp.text
     assert took < 5.0, f"rejection took {took:.1f}s"
-    states = _wait_baseline(a)
+    _, states = wait_pools_baseline(a)
     for name in a.names("decode"):
         assert states[name]["num_generated"] == before[name]["num_generated"], name
         assert states[name]["num_forward"] == before[name]["num_forward"], name
@@ -331,7 +319,7 @@ def test_side_channel_garbage_is_dropped_and_prefill_keeps_serving(deps, referen
     for _ in range(2):
         out = _post(a.proxy_url, {"text": PROMPT, "sampling_params": GREEDY}, _auth(API_KEY))
         assert out.json()["output_ids"] == reference["output_ids"]
-    _wait_baseline(a)
+    wait_pools_baseline(a)
 
 
 # ---------------------------------------------------------------------------- item 10
@@ -346,8 +334,8 @@ def test_two_deployments_side_by_side_serve_reference_tokens(deps, reference):
         assert _post(a.proxy_url, body, _auth(API_KEY)).json()["output_ids"] \
             == reference["output_ids"]
         assert generate(b.proxy_url, body)["output_ids"] == reference["output_ids"]
-    _wait_baseline(a)
-    _wait_baseline(b)
+    wait_pools_baseline(a)
+    wait_pools_baseline(b)
 
 
 def test_launch_on_a_live_deployments_ports_fails_before_starting_anything(deps, tmp_path,

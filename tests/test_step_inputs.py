@@ -126,6 +126,7 @@ def test_flat_work_items_cover_each_visible_block_once():
     assert WORK_FIELDS == ("block", "row", "rows", "qpos", "kpos")
 
 
+@pytest.mark.slow
 def test_engine_compiles_nothing_while_serving_a_mixed_workload():
     """Warmup (runner + sampler) then staggered prompts of many lengths, chunked prefill and
     preemption: no step shape and no XLA program is compiled while serving."""
