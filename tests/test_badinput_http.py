@@ -1,4 +1,4 @@
-"""Fuzzed HTTP input (issue #7, item 8) against real server processes, with hypothesis.
+"""Fuzzed HTTP input against real server processes, with hypothesis.
 
 - A real colocated pdtopo server gets random JSON bodies (and raw bytes) on /generate,
   /v1/completions and /v1/chat/completions: arbitrary JSON, and near-valid bodies whose known

@@ -1,5 +1,5 @@
-"""Bad topologies and proxy settings (issue #7, item 8) that tests/test_validation.py does not
-cover, per-role engine overrides and their escape hatch (item 5), and how the proxy API key is
+"""Bad topologies and proxy settings that tests/test_validation.py does not
+cover, per-role engine overrides and their escape hatch, and how the proxy API key is
 carried (item 9). Fast: `pdtopo render` and pure functions only, no processes."""
 
 from __future__ import annotations

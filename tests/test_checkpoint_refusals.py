@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from pdtopo.runtime.model.config import model_config_from_cfg
-from pdtopo.runtime.model.errors import CheckpointError
-from pdtopo.runtime.model.hf_config import REFUSED
+from pdtopo.model_config.errors import CheckpointError
+from pdtopo.model_config.hf import REFUSED
+from pdtopo.model_config.spec import model_config_from_cfg
 from tests.e2e_support import run_pdtopo
 from tests.test_loader import make_checkpoint
 

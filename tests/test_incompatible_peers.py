@@ -1,4 +1,4 @@
-"""Incompatible P and D (issue #7, item 5) and a P-only rejection (item 4), real processes.
+"""Incompatible P and D and a P-only rejection, real processes.
 
 One bootstrap server and one decode server D, plus one prefill server per mismatch, each
 started directly (`python -m pdtopo.runtime.server --run-dir RUN --process NAME`) from a

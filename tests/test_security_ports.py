@@ -1,4 +1,4 @@
-"""Security, port conflicts and bad input against real deployments (issue #7, items 4, 8, 9, 10).
+"""Security, port conflicts and bad input against real deployments.
 
 Two PD deployments run side by side on one host with different port bases: A uses the Rust
 router with an API key read from a file, B uses MiniLB without a key. A colocated server with

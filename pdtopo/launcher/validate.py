@@ -217,7 +217,7 @@ def check_process_grid(acc: Accelerator, role: str, spec: RoleSchema, per: int) 
 
 
 def check_symmetric(topo: TopologySchema) -> None:
-    """Multi-process P and D pair process i with process i (RFC-2 section 6.2 N:N pairing):
+    """Multi-process P and D pair process i with process i (N:N pairing, docs/protocol.md#multi-process-instances):
     both sides need the same number of processes per instance and the same local mesh."""
     p, d = topo.prefill, topo.decode
     if p.processes_per_instance == 1 and d.processes_per_instance == 1:

@@ -1,4 +1,4 @@
-"""Wire schema of the bootstrap server (RFC-2 §5.3): registration, heartbeat, route lookup.
+"""Wire schema of the bootstrap server (docs/protocol.md#bootstrap-api): registration, heartbeat, route lookup.
 
 Shared by the server (validation of what arrives) and the client (what it sends), so both sides
 agree on field names. Addresses are "host:port" strings; the rank tuple is complete.

@@ -1,4 +1,4 @@
-"""Bootstrap server program: the deployment's registry of prefill/decode instances (RFC-2 §5.3).
+"""Bootstrap server program: the deployment's registry of prefill/decode instances (docs/protocol.md#bootstrap-api).
 
 P and D processes `PUT /route` their full rank tuple and addresses at start and
 `POST /heartbeat` every few seconds; entries whose heartbeats stop are dropped after the TTL.

@@ -1,4 +1,4 @@
-"""The JaxTransfer 4-tuple ABC (RFC-2 §5.1), KVArgs and the pool transfer descriptors (§5.6).
+"""The JaxTransfer 4-tuple ABC (docs/protocol.md#abstract-roles), KVArgs and the pool transfer descriptors (docs/protocol.md#pool-descriptors).
 
 - `PoolTransferSpec`: one KV pool a request's transfer carries (name, pool_type, dtype, per-entry
   pool shape, sharding, number of entries, metadata). Only ``pool_type="main_kv"`` is
@@ -220,7 +220,7 @@ class KVArgs:
                 raise NotImplementedError(
                     f"KVArgs.pools: pool {p.name!r} has pool_type {p.pool_type!r}; only "
                     f"{', '.join(SUPPORTED_POOL_TYPES)} is implemented (multi-pool transfer "
-                    "is future work, RFC-2 §5.6)")
+                    "is future work, docs/protocol.md#pool-descriptors)")
         if sum(p.pool_type == MAIN_KV for p in self.pools) != 1:
             raise ValueError("KVArgs.pools must hold exactly one main_kv pool")
 

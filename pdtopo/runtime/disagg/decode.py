@@ -1,4 +1,4 @@
-"""Decode (D) side of PD serving: `SchedulerDisaggregationDecodeMixin` (RFC-2 §5.4).
+"""Decode (D) side of PD serving: `SchedulerDisaggregationDecodeMixin` (docs/protocol.md#one-request-step-by-step).
 
 A request reaching D carries `bootstrap_host:bootstrap_port` (the P instance's side channel)
 and `bootstrap_room`. Per request, on the scheduler thread, never blocking:

@@ -1,4 +1,4 @@
-"""JaxTransferKVManager / Sender / Receiver: the RFC-2 ABCs on the transfer engine + side channel.
+"""JaxTransferKVManager / Sender / Receiver: the abstract roles (docs/protocol.md#abstract-roles) on the transfer engine + side channel.
 
 Everything here is called from ONE thread, the scheduler thread that owns the KV pool; no call
 blocks (gathers and scatters are dispatched to the device asynchronously, pulls run on the

@@ -1,4 +1,4 @@
-"""Prefill (P) side of PD serving: `SchedulerDisaggregationPrefillMixin` (RFC-2 §5.4).
+"""Prefill (P) side of PD serving: `SchedulerDisaggregationPrefillMixin` (docs/protocol.md#one-request-step-by-step).
 
 A request reaching P carries `bootstrap_room` (and host/port, which name this P). Per request:
 

@@ -11,6 +11,7 @@ request is done) into the request's sink. `AsyncSink` hands outputs to an asynci
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import math
 import queue
@@ -85,9 +86,9 @@ class SamplingParams:
                   max_new_tokens_limit: int, vocab_size: int | None = None,
                   prefix: str = "sampling_params") -> SamplingParams:
         """Validate sglang-style sampling values. Raises InvalidRequest naming the field."""
-        d = dict(d or {})
-        if not isinstance(d, dict):
+        if d is not None and not isinstance(d, dict):
             raise InvalidRequest(prefix, f"{prefix} must be an object, got {type(d).__name__}")
+        d = dict(d or {})
         p = cls(max_new_tokens=default_max_new_tokens)
 
         def name(k: str) -> str:
@@ -247,11 +248,16 @@ def new_rid() -> str:
     return f"{uuid.uuid4().hex[:16]}{next(_rid_counter):x}"
 
 
-class ReqStatus:
+class ReqStatus(str, enum.Enum):
+    """Where a request is in its scheduler (the value is what logs and states show)."""
+
     WAITING = "waiting"        # in the waiting queue (maybe partially prefilled)
     RUNNING = "running"        # in the decode batch
     HELD = "held"              # owned by a PD mixin (e.g. P waiting for D to pull its KV)
     FINISHED = "finished"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(eq=False)

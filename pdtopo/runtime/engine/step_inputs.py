@@ -19,7 +19,7 @@ warmup (`shape_grid`) and never compiles while serving. Three layouts:
 Attention (pdtopo.runtime.engine.attention) walks the context block by block (`block_pages` pages per
 block) with an online softmax, only as far as the data goes, so padded tables cost nothing but a
 few int32s: a decode step visits `num_blocks` blocks for the whole batch; a flat step runs a
-list of work items (`work_block`, `work_row`: one tile of `tile_tokens` query rows of one
+list of work items (the `work` array, rows `WORK_FIELDS`: one tile of `tile_tokens` query rows of one
 sequence against one block of that sequence's context, blocks entirely after the tile's last
 position skipped), so batching short prompts costs what they need, not tokens x all contexts.
 A sequence's blocks and query tiles start at its own first page and first token in both

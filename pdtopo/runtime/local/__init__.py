@@ -1,4 +1,4 @@
-"""Local (in-process) PD disaggregation: tpu-inference's mode A (RFC-2 §4, gap analysis §2.1).
+"""Local (in-process) PD disaggregation: tpu-inference's single-host mode (docs/protocol.md#modes).
 
 One server process owns every chip of the host and splits them into one or more prefill meshes
 and one or more decode meshes, each with its own `ModelRunner` and KV pool:
