@@ -15,15 +15,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import pytest  # noqa: E402
 
+from pdtopo.bench.deployments import ephemeral_low  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def ephemeral_low() -> int:
-    """Lowest port the kernel hands out to outgoing connections (they could steal ours)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def free_port() -> int:

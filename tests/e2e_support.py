@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,80 +17,34 @@ from pathlib import Path
 
 import httpx
 
+from pdtopo.bench.deployments import (
+    DetachedDeployment,
+    free_port_block,
+    log_tails,
+    port_overrides,
+    run_cli,
+    wait_healthy,
+)
 from pdtopo.launcher.supervisor_control import pid_alive
-from tests.conftest import ephemeral_low
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def port_block(n: int, lo: int = 10000, hi: int | None = None) -> int:
-    """A base port such that base..base+n-1 are all free on 127.0.0.1 right now, below the
-    kernel's ephemeral range (outgoing connections cannot take them meanwhile)."""
-    hi = hi if hi is not None else ephemeral_low()
-    for _ in range(200):
-        base = random.randrange(lo, hi - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports found")
+port_block = free_port_block            # a private block of free ports
+deployment_overrides = port_overrides  # a whole deployment inside that block
+run_pdtopo = run_cli                   # `pdtopo ARGS` in a subprocess
 
 
-def deployment_overrides(base: int, *, instances: int = 2) -> list[str]:
-    """Port overrides that put a whole deployment in a private block starting at `base`."""
-    span = max(4, instances)
-    return [
-        f"topology.bootstrap.port={base}",
-        f"topology.proxy.port={base + 1}",
-        f"topology.proxy.prometheus_port={base + 2}",
-        f"topology.ports.http_base={base + 10}",
-        f"topology.ports.transfer_base={base + 10 + span}",
-        f"topology.ports.zmq_base={base + 10 + 2 * span}",
-    ]
-
-
-def run_pdtopo(args: Sequence[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pdtopo.cli", *args], cwd=REPO_ROOT, capture_output=True,
-        text=True, timeout=timeout,
-    )
-
-
-class Deployment:
-    """A deployment launched with `pdtopo launch --detach` into `run_dir`."""
-
-    def __init__(self, run_dir: Path, overrides: Sequence[str]):
-        self.run_dir = Path(run_dir)
-        self.overrides = list(overrides)
-        self.plan: dict = {}
+class Deployment(DetachedDeployment):
+    """A deployment launched with `pdtopo launch --detach` into `run_dir`, with what tests
+    inspect: processes, URLs, pids, logs, a leak check after stop."""
 
     def launch(self, timeout: float = 600) -> Deployment:
-        res = run_pdtopo(
-            ["launch", "--detach", *self.overrides, f"hydra.run.dir={self.run_dir}"], timeout
-        )
-        if res.returncode != 0:
-            raise RuntimeError(
-                f"pdtopo launch failed ({res.returncode}):\n{res.stdout}\n{res.stderr}\n"
-                + self.log_tails()
-            )
-        self.plan = json.loads((self.run_dir / "plan.json").read_text())
+        super().launch(timeout)
         return self
 
     def log_tails(self, n: int = 40) -> str:
-        out = []
-        for log in sorted((self.run_dir / "logs").glob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()[-n:]
-            out.append(f"--- {log.name}\n" + "\n".join(lines))
-        return "\n".join(out)
+        return log_tails(self.run_dir, n)
 
     def process(self, name: str) -> dict:
         return next(p for p in self.plan["processes"] if p["name"] == name)
@@ -100,10 +52,6 @@ class Deployment:
     def url(self, name: str) -> str:
         p = self.process(name)
         return f"http://{p['address']}:{p['ports']['http']}"
-
-    @property
-    def proxy_url(self) -> str:
-        return self.plan["proxy_url"]
 
     def names(self, role: str) -> list[str]:
         return [p["name"] for p in self.plan["processes"] if p["role"] == role]
@@ -119,9 +67,6 @@ class Deployment:
                 if tok.isdigit() and int(tok) > 1 and pid_alive(int(tok)):
                     pids.append(int(tok))
         return pids
-
-    def stop(self) -> None:
-        run_pdtopo(["stop", str(self.run_dir)], timeout=120)
 
     def stop_and_check(self) -> None:
         """`pdtopo stop`, then no process whose command line names the run dir may be left."""
@@ -152,20 +97,6 @@ def processes_of_run(run_dir: Path) -> list[int]:
         if needle in cmd and int(entry.name) != os.getpid():
             found.append(int(entry.name))
     return found
-
-
-def wait_healthy(url: str, timeout: float = 300, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
 class ColocatedServer:
