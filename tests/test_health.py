@@ -1,4 +1,5 @@
-"""The launcher's readiness rules: a Rust router is ready only once it lists every worker."""
+"""The launcher's readiness rules: a Rust router is ready only once it lists every worker; a
+program that crash-loops, backs off or is FATAL during start-up ends the wait at once."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pdtopo.launcher.health import router_workers_ready
+from pdtopo.config.compose import compose_config
+from pdtopo.launcher.health import router_workers_ready, wait_for_programs
+from pdtopo.launcher.plan import expand_plan
 
 
 @pytest.fixture
@@ -50,3 +53,46 @@ def test_router_without_worker_registry_is_ready(router):
 
 def test_unreachable_router_is_not_ready():
     assert not router_workers_ready("http://127.0.0.1:9", 1, timeout=0.5)
+
+
+# ------------------------------------------------------------------ start-up failures
+
+
+def _plan():
+    return expand_plan(compose_config(["topology=colocated_cpu"]), cpus=[0])
+
+
+def _wait(sequence, timeout_s=180.0):
+    """wait_for_programs over supervisord observations `sequence` (one per poll), with a
+    fake clock of 0.5 s per poll; returns (result, polls taken)."""
+    polls = iter(sequence)
+    taken = []
+    clock = iter(i * 0.5 for i in range(10_000))
+
+    def states():
+        taken.append(1)
+        return next(polls)
+
+    result = wait_for_programs(_plan(), states, timeout_s, poll_s=0, probe_fn=lambda _u: False,
+                               clock=lambda: next(clock), workers_fn=None)
+    return result, len(taken)
+
+
+def test_crash_loop_after_startsecs_fails_the_wait_at_the_second_exit():
+    # RUNNING past startsecs, exits, restarted (new pid), exits again: not a slow start
+    seq = [{"colocated_0": s} for s in (("STARTING", 10), ("RUNNING", 10), ("RUNNING", 10),
+                                        ("EXITED", 0), ("STARTING", 11), ("RUNNING", 11),
+                                        ("RUNNING", 12), ("RUNNING", 12))]
+    result, polls = _wait(seq)
+    assert not result.ok and result.failed == "colocated_0"
+    assert "exited 2 times" in result.reason and "crash loop" in result.reason
+    assert polls == 7  # the restart between two polls (pid 11 -> 12) counts once
+
+
+def test_backoff_and_fatal_fail_at_once_and_a_slow_start_does_not():
+    for state in ("BACKOFF", "FATAL"):
+        result, polls = _wait([{"colocated_0": ("STARTING", 10)}, {"colocated_0": (state, 0)}])
+        assert not result.ok and f"is {state}" in result.reason and polls == 2
+    slow = [{"colocated_0": ("RUNNING", 10)}] * 10
+    result, polls = _wait(slow, timeout_s=3.0)
+    assert not result.ok and "not healthy" in result.reason and polls == 7  # 3.5 s > 3 s

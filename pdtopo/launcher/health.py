@@ -1,9 +1,12 @@
 """Health probing: one HTTP GET per program's health URL, and the start-order waiter.
 
 `wait_for_programs` walks the plan in start order; each program gets `timeout_s` from the
-moment the programs before it are healthy. It polls supervisord's process states (a FATAL
-program fails the wait at once) and the health URLs, calling `on_update(rows)` after every
-poll so the caller can draw progress. The proxy counts as healthy only once the router has
+moment the programs before it are healthy. It polls supervisord's process states and the
+health URLs, calling `on_update(rows)` after every poll so the caller can draw progress. A
+program that is FATAL or in BACKOFF (it exited before `launcher.startsecs`), or that has exited
+`CRASH_LOOP_EXITS` times (supervisord restarts a program that ran longer than startsecs, so a
+start-up error after that is a crash loop, not a slow start: seen as a new pid), fails the wait
+at once. The proxy counts as healthy only once the router has
 registered every P and D worker (`router_workers_ready`). Returns a `WaitResult`.
 """
 
@@ -18,7 +21,8 @@ from dataclasses import dataclass, field
 
 from pdtopo.launcher.plan import Plan
 
-FAILED_STATES = {"FATAL"}
+FAILED_STATES = {"FATAL", "BACKOFF"}
+CRASH_LOOP_EXITS = 2  # exits of one program during the launch that end it
 
 
 def probe(url: str, timeout: float = 2.0) -> bool:
@@ -59,6 +63,8 @@ class Row:
     pid: int = 0
     healthy: bool = False
     waited_s: float = 0.0
+    exits: int = 0  # times it exited during the wait (seen EXITED, or a new pid)
+    exited_pid: int = 0  # the pid whose exit is already counted
 
 
 @dataclass
@@ -67,6 +73,22 @@ class WaitResult:
     rows: list[Row] = field(default_factory=list)
     failed: str | None = None
     reason: str = ""
+
+
+def _observe(row: Row, state: str, pid: int) -> str | None:
+    """Take one supervisord observation into `row`; why the program failed, or None."""
+    restarted = bool(pid and row.pid and pid != row.pid)
+    if (restarted or state == "EXITED") and row.pid and row.exited_pid != row.pid:
+        row.exits += 1
+        row.exited_pid = row.pid
+        row.healthy = False
+    row.state, row.pid = state, pid or row.pid
+    if state in FAILED_STATES:
+        return f"is {state} (it exited during start-up)"
+    if row.exits >= CRASH_LOOP_EXITS:
+        return (f"exited {row.exits} times during start-up (a crash loop: supervisord keeps "
+                "restarting it)")
+    return None
 
 
 def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, int]]],
@@ -83,12 +105,12 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
         now = clock()
         for proc in order:
             row = rows[proc.name]
-            row.state, row.pid = states.get(proc.name, ("UNKNOWN", 0))
-            if row.state in FAILED_STATES:
+            failure = _observe(row, *states.get(proc.name, ("UNKNOWN", 0)))
+            if failure:
                 if on_update:
                     on_update(list(rows.values()))
                 return WaitResult(False, list(rows.values()), proc.name,
-                                  f"{proc.name} is {row.state} (it exited during start-up)")
+                                  f"{proc.name} {failure}")
             if not row.healthy and row.state == "RUNNING":
                 row.healthy = probe_fn(proc.health_url)
                 if row.healthy and proc.role == "proxy" and workers_fn is not None:

@@ -31,7 +31,7 @@ from pdtopo.launcher import display, hosts
 from pdtopo.launcher.health import wait_for_programs
 from pdtopo.launcher.plan import Plan, expand_plan
 from pdtopo.launcher.ports import wait_ports_free
-from pdtopo.launcher.preflight import check_model
+from pdtopo.launcher.preflight import check_model, check_platform
 from pdtopo.launcher.render_supervisord import ProgramSettings, render_supervisord
 from pdtopo.launcher.run_dir import new_token, remove_if_empty, write_run_dir
 from pdtopo.launcher.supervisor_control import Supervisor, SupervisorError, teardown
@@ -108,6 +108,8 @@ def _prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool,
                                 "already holds a deployment; pick a new run dir")
         prepared = prepare(cfg, sv_dir, token=token, host=host)
         # launch: strict (the programs start here); render: a dry run (see preflight)
+        if check_ports:
+            check_platform(prepared.plan)
         prepared.plan.warnings += check_model(cfg, prepared.plan, strict=check_ports)
         for warning in prepared.plan.warnings:
             con.print(f"[bold yellow]WARNING:[/] {warning}", highlight=False)

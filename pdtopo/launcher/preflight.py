@@ -6,7 +6,9 @@ The planner is pure and never reads the model; `check_model(cfg, plan)` does, on
      `model.path` is set), refusing every unsupported feature by key and value;
   2. the checkpoint's tensors against that config (safetensors headers only: names, shapes,
      nothing left over);
-  3. every serving process's tensor-parallel size against the model's head and MLP sizes.
+  3. every serving process's tensor-parallel size against the model's head and MLP sizes;
+and `check_platform(plan)`: a `tpu` plan launched on a host without TPU devices is refused
+with the emulation hint (`topology.platform=cpu` runs the same chip split on CPU devices).
 Each problem is a `ModelError` (a TopologyError: exit 2, key and value named), so a refused
 checkpoint fails the launch at once instead of crash-looping its programs until the health
 timeout. With `strict=False` (render, a dry run: the checkpoint may live only where the
@@ -17,6 +19,7 @@ warning; a checkpoint that exists here and is refused is an error either way.
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -63,6 +66,23 @@ def _tp_checks(plan: Plan) -> list[tuple[str, int]]:
         elif proc.role in SERVING_ROLES:
             checks.append((f"topology.{proc.role}.mesh.tp", int(proc.mesh.get("tp", 1))))
     return list(dict.fromkeys(checks))
+
+
+def tpu_devices() -> list[str]:
+    """TPU device files of this host (TPU VMs expose /dev/accel* or /dev/vfio/N)."""
+    return sorted(glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"))
+
+
+def check_platform(plan: Plan, devices: list[str] | None = None) -> None:
+    """A TPU plan whose programs start here needs this host's TPU devices."""
+    if plan.platform != "tpu" or not any(p.role in SERVING_ROLES for p in plan.processes):
+        return
+    if (tpu_devices() if devices is None else devices):
+        return
+    raise TopologyError("topology.platform", "tpu",
+                        "this host has no TPU devices (no /dev/accel*, no /dev/vfio/N); to "
+                        "run this topology here with CPU devices standing in for the chips "
+                        "(same chip split, emulated): topology.platform=cpu")
 
 
 def check_model(cfg: DictConfig, plan: Plan, *, strict: bool = True) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdtopo.config.schema import TopologyError
 
@@ -60,7 +60,8 @@ KNOWN = ", ".join([*ACCELERATORS, "cpu-N"])
 
 
 def accelerator_spec(name: str, platform: str) -> Accelerator:
-    """Look up an accelerator; `cpu-N` is valid for any N >= 1 on platform cpu."""
+    """Look up an accelerator; `cpu-N` is valid for any N >= 1 on platform cpu, and a TPU
+    accelerator with platform cpu is emulated there (same chip split, CPU devices)."""
     match = _CPU_RE.match(str(name))
     if match:
         acc = Accelerator(str(name), "cpu", int(match.group(1)))
@@ -68,6 +69,9 @@ def accelerator_spec(name: str, platform: str) -> Accelerator:
         acc = ACCELERATORS[name]
     else:
         raise TopologyError("topology.accelerator", name, f"unknown accelerator (known: {KNOWN})")
+    if acc.platform == "tpu" and platform == "cpu":
+        # emulation: the same chips, hosts and splits, as CPU devices (no TPU env vars)
+        return replace(acc, name=f"{acc.name} (emulated on cpu)", platform="cpu")
     if acc.platform != platform:
         raise TopologyError(
             "topology.accelerator", name,
