@@ -3,10 +3,10 @@
 `wait_for_programs` walks the plan in start order; each program gets `timeout_s` from the
 moment the programs before it are healthy. It polls supervisord's process states and the
 health URLs, calling `on_update(rows)` after every poll so the caller can draw progress. A
-program that is FATAL or in BACKOFF (it exited before `launcher.startsecs`), or that has exited
-`CRASH_LOOP_EXITS` times (supervisord restarts a program that ran longer than startsecs, so a
-start-up error after that is a crash loop, not a slow start: seen as a new pid), fails the wait
-at once. The proxy counts as healthy only once the router has
+program that is FATAL (supervisord gave up restarting a program that exits before
+`launcher.startsecs`), or that has exited `CRASH_LOOP_EXITS` times after running past
+startsecs (supervisord restarts those forever: a start-up error there is a crash loop, not a
+slow start; seen as EXITED or as a new pid), fails the wait at once. The proxy counts as healthy only once the router has
 registered every P and D worker (`router_workers_ready`). Returns a `WaitResult`.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pdtopo.launcher.plan import Plan
 
-FAILED_STATES = {"FATAL", "BACKOFF"}
+FAILED_STATES = {"FATAL"}
 CRASH_LOOP_EXITS = 2  # exits of one program during the launch that end it
 
 
@@ -63,8 +63,8 @@ class Row:
     pid: int = 0
     healthy: bool = False
     waited_s: float = 0.0
-    exits: int = 0  # times it exited during the wait (seen EXITED, or a new pid)
-    exited_pid: int = 0  # the pid whose exit is already counted
+    exits: int = 0  # times it exited after running past startsecs (EXITED, or a new pid)
+    ran: bool = False  # the current pid was seen RUNNING
 
 
 @dataclass
@@ -78,11 +78,11 @@ class WaitResult:
 def _observe(row: Row, state: str, pid: int) -> str | None:
     """Take one supervisord observation into `row`; why the program failed, or None."""
     restarted = bool(pid and row.pid and pid != row.pid)
-    if (restarted or state == "EXITED") and row.pid and row.exited_pid != row.pid:
+    if (restarted or state == "EXITED") and row.ran:
         row.exits += 1
-        row.exited_pid = row.pid
-        row.healthy = False
+        row.ran = row.healthy = False
     row.state, row.pid = state, pid or row.pid
+    row.ran = row.ran or state == "RUNNING"
     if state in FAILED_STATES:
         return f"is {state} (it exited during start-up)"
     if row.exits >= CRASH_LOOP_EXITS:
