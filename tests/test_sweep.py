@@ -54,6 +54,11 @@ def test_two_job_sweep_end_to_end(tmp_path):
         png = (sweep / "summary.png").read_bytes()
         assert png.startswith(PNG_MAGIC) and len(png) > 1000
         assert "sweep summary" in out
+        # no line per bench request from the HTTP client (httpx logs them at INFO)
+        assert "HTTP Request:" not in out, [ln for ln in out.splitlines() if "HTTP Req" in ln][:3]
+        for job in ("0", "1"):  # nor per heartbeat in the P and D logs
+            for log in (sweep / job / "logs").glob("*_0.log"):
+                assert "HTTP Request:" not in log.read_text(errors="replace"), log
     finally:
         time.sleep(0.5)
         for job in ("0", "1"):

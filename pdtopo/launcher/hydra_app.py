@@ -8,6 +8,7 @@ that fails validation leaves no directory behind. A Hydra composition error exit
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from pdtopo.config.compose import conf_dir
+from pdtopo.logs import quiet_http_clients
 
 HYDRA_DEFAULTS = ("hydra.output_subdir=null", "hydra/job_logging=stdout",
                   "hydra.help.app_name=pdtopo", "hydra.job.name=pdtopo")
@@ -54,6 +56,7 @@ def run_app(verb: str, argv: Sequence[str], job: Job) -> int:
     codes: list[int] = []
 
     def task(cfg: DictConfig) -> None:
+        quiet_http_clients(logging.getLogger().getEffectiveLevel())  # after Hydra's logging
         hc = HydraConfig.get()
         run_dir = Path(hc.runtime.output_dir).resolve()
         codes.append(job(cfg, run_dir, hc.mode == RunMode.MULTIRUN))

@@ -25,6 +25,7 @@ import uvicorn
 
 from pdtopo.config.compose import compose_config
 from pdtopo.config.settings import runtime_settings
+from pdtopo.logs import configure_logging
 from pdtopo.runtime.api.app import create_app
 from pdtopo.runtime.api.state import ServerState
 from pdtopo.runtime.compilation_cache import enable_compilation_cache
@@ -125,8 +126,7 @@ class _Server(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     args = parse_args(argv)
     ctx = build_context(args)
     apply_cpu_affinity(ctx)

@@ -23,6 +23,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from pdtopo.logs import configure_logging
 from pdtopo.runtime.bootstrap.protocol import Heartbeat, Registration, Role
 from pdtopo.runtime.bootstrap.registry import InstanceRegistry
 from pdtopo.runtime.settings import load_process_context
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token", help="direct form: deployment token")
     parser.add_argument("--ttl", type=float, default=15.0, help="direct form: heartbeat TTL (s)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
 
     if args.run_dir:
         ctx = load_process_context(args.run_dir, args.process)
