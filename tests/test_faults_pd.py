@@ -139,6 +139,8 @@ def test_prefill_killed_mid_flight(dep):
     assert failed, "killing P mid-flight failed no request"
     assert_clean_errors(outs, t_kill)
     assert any("kv_timeout_s" in o.body or "KV" in o.body for o in failed), failed[:3]
+    # D learned that P is gone from the side channel's disconnect, not from its KV timeout
+    assert any("disconnected" in o.body for o in failed), failed[:3]
 
     restart_s = wait_restarted(dep, "prefill_0", old)
     reregistered_s = wait_until(lambda: any(

@@ -165,3 +165,40 @@ def test_bad_config_errors():
         SideChannel(max_bytes=10)
     with pytest.raises(ValueError, match="host:port"):
         SideChannel(bind="nonsense")
+
+
+def test_dead_prefill_fails_the_rooms_expected_from_it_at_once():
+    """P's process dies (its sockets close): D gets a local `failed` (status 503) for every
+    room it still expects from that P, without waiting for the KV timeout; rooms already
+    finished (forgotten) and rooms of another P are not touched."""
+    p1 = SideChannel(bind="127.0.0.1:0", name="P1")
+    p2 = SideChannel(bind="127.0.0.1:0", name="P2")
+    d = SideChannel(name="D")
+    try:
+        for room in (1, 2, 3):
+            d.send_to(p1.address, m.Want(room=room))
+        d.send_to(p2.address, m.Want(room=9))
+        for _ in range(3):
+            _get(p1.events)
+        assert _get(p2.events).msg == m.Want(room=9)
+        d.forget(3)  # finished before P died
+        _until(lambda: d.stats().get("sent_want", 0) == 4)
+        p1.close()  # what kill -9 does to P's sockets
+        got = sorted((_get(d.events, timeout=5) for _ in range(2)), key=lambda e: e.msg.room)
+        assert [(e.msg.room, e.msg.status) for e in got] == [(1, 503), (2, 503)]
+        assert all(e.peer.key == p1.address and "disconnected" in e.msg.reason for e in got)
+        assert d.stats()["peer_disconnects"] == 1
+        assert d.stats()["rooms_failed_on_disconnect"] == 2
+        time.sleep(0.3)
+        assert d.events.empty()  # room 3 (forgotten) and room 9 (other P): nothing
+        p2.send(_get_owner(p2, d), m.Failed(room=9, reason="still here"))
+        assert _get(d.events).msg.reason == "still here"  # the other P's channel still works
+    finally:
+        for ch in (p2, d):
+            ch.close()
+
+
+def _get_owner(p: SideChannel, d: SideChannel):
+    """The router peer of D as P sees it (P learned it from D's want)."""
+    d.send_to(p.address, m.Want(room=10))
+    return _get(p.events).peer

@@ -17,6 +17,11 @@ running. Room ownership:
   - DEALER (D side): sending `want(room)` to endpoint E expects the room from E; `ready`/`failed`
     for a room are accepted only from the endpoint that was asked.
 `forget(room)` drops those records once a room is finished.
+
+A P that dies (kill -9, crash) closes its TCP connections at once: each DEALER's socket monitor
+reports the disconnect, and every room still expected from that endpoint gets a local
+`failed(room, status=503)` event, as if P had sent it, so D fails those requests now instead of
+at `disaggregation.kv_timeout_s` (counted as `peer_disconnects` / `rooms_failed_on_disconnect`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdtopo.runtime.disagg import messages as m
 
@@ -39,6 +45,8 @@ log = logging.getLogger(__name__)
 
 _TO_P = ("want", "done", "failed")   # types a ROUTER accepts
 _TO_D = ("ready", "failed")          # types a DEALER accepts
+PEER_GONE_STATUS = 503  # a retryable status: the router may send the request elsewhere
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 class Peer(NamedTuple):
@@ -69,6 +77,7 @@ class SideChannel:
         self._identity = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         self._router: zmq.Socket | None = None
         self._dealers: dict[str, zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, str] = {}   # DEALER monitor -> P endpoint
         self._owners: dict[int, bytes] = {}      # ROUTER: room -> D identity
         self._expected: dict[int, str] = {}      # DEALER: room -> P endpoint asked
         self._stats: Counter[str] = Counter()
@@ -150,10 +159,35 @@ class SideChannel:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self._identity)
             sock.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
+            monitor = sock.get_monitor_socket(_MONITORED)
             sock.connect(f"tcp://{endpoint}")
             self._dealers[endpoint] = sock
+            self._monitors[monitor] = endpoint
             self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(monitor, zmq.POLLIN)
         return sock
+
+    def _recv_monitor(self, monitor: zmq.Socket, endpoint: str) -> None:
+        """Connection events of one DEALER; a disconnect fails the rooms expected from it."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._peer_gone(endpoint)
+
+    def _peer_gone(self, endpoint: str) -> None:
+        rooms = sorted(r for r, e in self._expected.items() if e == endpoint)
+        self._count("peer_disconnects")
+        log.warning("%s: prefill side channel %s disconnected; failing rooms %s", self.name,
+                    endpoint, rooms)
+        for room in rooms:
+            self._count("rooms_failed_on_disconnect")
+            self.events.put(SideChannelEvent(Peer("dealer", endpoint), m.Failed(
+                room=room, status=PEER_GONE_STATUS,
+                reason=f"the prefill server at {endpoint} disconnected (it died or restarted); "
+                       "its KV for this request will not come")))
 
     def _do_send(self, peer: Peer, msg: m.Message) -> None:
         data = m.encode(msg)
@@ -270,6 +304,9 @@ class SideChannel:
                 for endpoint, sock in list(self._dealers.items()):
                     if sock in ready:
                         self._recv_dealer(endpoint, sock)
+                for monitor, endpoint in list(self._monitors.items()):
+                    if monitor in ready:
+                        self._recv_monitor(monitor, endpoint)
         except Exception:  # a bug here must be loud, not a silent dead listener
             log.exception("%s: side-channel I/O thread crashed", self.name)
             self._count("crashed")
@@ -279,7 +316,11 @@ class SideChannel:
 
     def _drain_outbox_on_close(self) -> None:
         for sock in self._dealers.values():
+            sock.disable_monitor()
             sock.close(linger=0)
+        for monitor in self._monitors:
+            monitor.close(linger=0)
+        self._monitors.clear()
         self._dealers.clear()
         if self._router is not None:
             self._router.close(linger=0)
