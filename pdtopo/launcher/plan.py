@@ -26,7 +26,7 @@ from pdtopo.config.schema import (
     typed_proxy,
     typed_topology,
 )
-from pdtopo.config.settings import LauncherSettings, runtime_settings
+from pdtopo.config.settings import LauncherSettings, group_settings, runtime_settings
 from pdtopo.launcher import validate
 from pdtopo.launcher.tpu_env import (
     Accelerator,
@@ -401,7 +401,7 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
     warnings: list[str] = []
     if topo.mode == "pd":
         warnings = validate.check_engine_compat(
-            topo, {role: runtime_settings(cfg, role).engine for role in ("prefill", "decode")},
+            topo, {role: group_settings(cfg, "engine", role) for role in ("prefill", "decode")},
             allow_incompatible=settings.launcher.allow_incompatible_roles)
     servers = _server_processes(cfg, topo, acc, _assign_chips(topo, acc), str(run_dir),
                                 python, cpus, settings.launcher)
