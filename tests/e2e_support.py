@@ -220,11 +220,17 @@ _ZERO_AT_BASELINE = ("num_reqs", "num_running", "num_waiting", "pd_registered_kv
 
 
 def baseline_problems(state: dict) -> list[str]:
-    """Why a server's /pdtopo/state is not at its baseline (empty: it is): pages in use or a
-    non-zero `_ZERO_AT_BASELINE` counter, also in each engine of a local server."""
+    """Why a server's /pdtopo/state (or a scheduler's stats()) is not at its baseline (empty:
+    it is): a page neither free nor held by the prefix cache (free + tree = total), the
+    scheduler's own reference check failing (`page_problems`, checked when idle), or a non-zero
+    `_ZERO_AT_BASELINE` counter; also in each engine of a local server."""
     problems = []
-    if state["free_pages"] != state["total_pages"]:
-        problems.append(f"free_pages={state['free_pages']} of total_pages={state['total_pages']}")
+    tree = state.get("tree_pages", 0)
+    if state["free_pages"] + tree != state["total_pages"]:
+        problems.append(f"free_pages={state['free_pages']} + tree_pages={tree} != "
+                        f"total_pages={state['total_pages']}")
+    if state.get("page_problems"):
+        problems.append(f"page_problems={state['page_problems']}")
     problems += [f"{k}={state[k]}" for k in _ZERO_AT_BASELINE if state.get(k, 0)]
     for name, engine in sorted((state.get("engines") or {}).items()):
         problems += [f"engines.{name}.{p}" for p in baseline_problems(engine)]

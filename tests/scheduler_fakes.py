@@ -36,7 +36,8 @@ def next_token(seq: list[int]) -> int:
 
 
 class FakeRunner:
-    def __init__(self, num_pages=32, page_size=4, fail_on=None):
+    def __init__(self, num_pages=32, page_size=4, fail_on=None, read_only=None):
+        self.read_only = read_only  # page -> True if a write there is a bug (prefix cache)
         self.page_size = page_size
         self.num_pages = num_pages
         self.pool = np.full((num_pages, page_size), -1, np.int64)
@@ -54,7 +55,10 @@ class FakeRunner:
             assert len(c.page_ids) * ps >= end, (c, "page table too short")
             for j, t in enumerate(c.token_ids):
                 pos = c.start_pos + j
-                self.pool[c.page_ids[pos // ps], pos % ps] = t
+                page = c.page_ids[pos // ps]
+                assert self.read_only is None or not self.read_only(page), \
+                    (c, f"writing into page {page}, which the prefix cache shares")
+                self.pool[page, pos % ps] = t
             seq = [int(self.pool[c.page_ids[p // ps], p % ps]) for p in range(end)]
             assert all(t >= 0 for t in seq), (c, "reading unwritten KV")
             out[i, next_token(seq)] = 10.0

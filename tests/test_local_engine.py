@@ -21,6 +21,7 @@ from pdtopo.runtime.local.engine import build_local_engine
 from pdtopo.runtime.local.threads import InjectedCrash
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.settings import direct_process_context
+from tests.e2e_support import baseline_problems
 
 ENGINE = ["model.num_layers=2", "engine.num_pages=48", "engine.page_size=8",
           "engine.max_running_requests=4", "engine.max_prefill_tokens=64",
@@ -84,8 +85,7 @@ def _wait_baseline(orch, timeout=10.0):
     deadline = time.monotonic() + timeout
     while True:
         st = orch.stats()
-        if st["num_reqs"] == 0 and all(e["free_pages"] == e["total_pages"] and e["num_reqs"] == 0
-                                       for e in st["engines"].values()):
+        if st["num_reqs"] == 0 and not baseline_problems(st):
             return st
         if time.monotonic() > deadline:
             raise AssertionError(f"pools not back to baseline: {st}")

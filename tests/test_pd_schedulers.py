@@ -19,6 +19,7 @@ from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import DecodeScheduler, PrefillScheduler, make_scheduler
 from pdtopo.runtime.settings import direct_process_context
 from tests.conftest import free_port
+from tests.e2e_support import baseline_problems
 
 pytestmark = pytest.mark.slow  # real model runners behind real schedulers
 
@@ -75,7 +76,7 @@ def _baseline(s: Scheduler, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         st = s.stats()
-        if st["free_pages"] == st["total_pages"] and st["num_reqs"] == 0:
+        if not baseline_problems(st) and st["num_reqs"] == 0:
             return
         assert time.monotonic() < deadline, st
         time.sleep(0.01)

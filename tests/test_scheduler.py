@@ -11,6 +11,7 @@ from scheduler_fakes import EOS, FakeRunner, FakeTokenizer, make_ctx, reference
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
 from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.scheduler_factory import make_scheduler
+from tests.e2e_support import baseline_problems
 
 
 def mk(rid, prompt, n=8, **sp):
@@ -34,8 +35,10 @@ def run_until_idle(s: Scheduler, max_steps=500):
 
 def assert_baseline(s: Scheduler):
     st = s.stats()
-    assert st["free_pages"] == st["total_pages"] == s.allocator.num_total
+    assert st["total_pages"] == s.allocator.num_total
+    assert not baseline_problems(st), baseline_problems(st)
     assert st["num_running"] == st["num_waiting"] == st["num_reqs"] == 0
+    assert s.page_problems() == []
 
 
 def collect(sink):

@@ -12,6 +12,7 @@ from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
 from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.settings import direct_process_context
+from tests.e2e_support import baseline_problems
 
 pytestmark = pytest.mark.slow  # real model runners behind real schedulers
 
@@ -51,7 +52,7 @@ def run(s: Scheduler, reqs: list[Req]) -> dict[str, list[int]]:
         assert last.finish_reason["type"] == "length", last.finish_reason
         out[r.rid] = ids
     st = s.stats()
-    assert st["free_pages"] == st["total_pages"] and st["num_reqs"] == 0
+    assert not baseline_problems(st) and st["num_reqs"] == 0, baseline_problems(st)
     return out
 
 

@@ -42,6 +42,7 @@ class EngineSettings:
     attention_impl: str = MISSING
     seed: int = MISSING
     served_model_name: str | None = MISSING
+    prefix_cache: bool = MISSING
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class DisaggregationSettings:
     transfer_raw_buffers: Any = MISSING  # "auto" | true | false
     side_channel_max_bytes: int = MISSING
     fault_injection_prob: float = MISSING
+    decode_prefix_cache: bool = MISSING
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from pdtopo.runtime.engine.request import InvalidRequest, ReqOutput, SamplingPar
 router = APIRouter()
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+FLUSH_TIMEOUT_S = 10.0
 
 
 # ---------------------------------------------------------------- /generate: body -> handles
@@ -135,7 +136,7 @@ def generate_result(h: Handle, view: TextView, upto: ReqOutput | None = None) ->
             "id": h.rid,
             "prompt_tokens": len(h.req.prompt_ids),
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": out.cached_tokens if out is not None else 0,
             "finish_reason": final.finish_reason if final else None,
             "e2e_latency": time.perf_counter() - h.started,
         },
@@ -247,9 +248,22 @@ async def models(state: ServerDep):
 
 @router.post("/flush_cache")
 async def flush_cache(state: ServerDep) -> Response:
-    state.require_engine()
-    return Response("Cache flushed (pdtopo keeps no prefix cache: nothing to drop).\n",
-                    media_type="text/plain")
+    """Empty the prefix cache of every page no request holds (docs/prefix-cache.md): requests in
+    flight keep their pages, which join the cache when they finish. The body says what went."""
+    scheduler = state.require_engine()
+    try:
+        results = await asyncio.wait_for(asyncio.gather(
+            *(asyncio.wrap_future(f) for f in scheduler.flush_caches())), FLUSH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return error_response(503, f"the scheduler did not flush within {FLUSH_TIMEOUT_S:g} s")
+    flushed = sum(r["flushed_pages"] for r in results)
+    held = sum(r["tree_pages"] for r in results)
+    if not any(r["prefix_cache"] for r in results):
+        text = "Cache flushed (engine.prefix_cache is off: nothing to drop).\n"
+    else:
+        text = (f"Cache flushed: {flushed} pages freed, {held} still held by requests in "
+                f"flight.\n")
+    return Response(text, media_type="text/plain")
 
 
 @router.get("/get_load")

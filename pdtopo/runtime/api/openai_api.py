@@ -87,10 +87,12 @@ def _bootstrap(body: _OpenAICommon, i: int) -> dict[str, Any]:
     return out
 
 
-def _usage(handles: list[Handle]) -> dict[str, int]:
+def _usage(handles: list[Handle]) -> dict[str, Any]:
     p = sum(len(h.req.prompt_ids) for h in handles)
     c = sum(len(h.output_ids) for h in handles)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(h.final.cached_tokens for h in handles if h.final is not None)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _include_usage(body: _OpenAICommon) -> bool:

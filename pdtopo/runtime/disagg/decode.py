@@ -59,6 +59,13 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         self.ready_queue: deque[PendingTransfer] = deque()  # KV in the pool, awaiting a slot
         self._pending: dict[str, PendingTransfer] = {}
 
+    def make_prefix_cache(self, eng):
+        """D keeps no prefix cache by default (the RFC's chunk cache: every prompt's KV comes
+        from P); `disaggregation.decode_prefix_cache` turns D's own cache on."""
+        if not self.ctx.settings.disaggregation.decode_prefix_cache:
+            return None
+        return super().make_prefix_cache(eng)
+
     def warmup(self) -> None:
         """The sampler (Scheduler.warmup), then the KV scatter for every page count."""
         super().warmup()
@@ -117,7 +124,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 continue
             need = self.pages_for(len(p.req.prompt_ids))
             will_decode = len(self.running) + len(self.transfer_queue) + len(self.ready_queue)
-            if need + will_decode > self.allocator.num_free:
+            if not self.ensure_free(need + will_decode):
                 break  # FCFS: wait for pages (one spare page per request that will decode)
             p.req.page_ids = self.alloc_pages(need)
             p.receiver.init(p.req.page_ids)
@@ -148,6 +155,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 500))
             return
         req.num_computed = len(req.prompt_ids)
+        req.cached_tokens = int(info.cached_tokens)  # P's prefix-cache hit, reported by D
         if not self.process_new_token(req, int(info.first_token)):
             self.add_to_running(req)
 

@@ -126,14 +126,15 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
         self.failure_msg: m.Failed | None = None
 
     def send(self, kv_indices: Sequence[int], *, prompt_len: int | None = None,
-             first_token: int | None = None, first_logprob: float | None = None) -> None:
+             first_token: int | None = None, first_logprob: float | None = None,
+             cached_tokens: int = 0) -> None:
         if self._state.state.terminal:
             raise KVTransferError(f"room {self.room}: send() on a {self._state.state.name} sender")
         if self.ready_msg is not None:
             raise KVTransferError(f"room {self.room}: send() called twice")
         try:
             self.ready_msg = self.mgr._register(self.room, list(kv_indices), prompt_len,
-                                                first_token, first_logprob)
+                                                first_token, first_logprob, cached_tokens)
         except Exception as e:
             err = e if isinstance(e, KVTransferError) else KVTransferError(
                 f"room {self.room}: preparing KV for transfer failed: {e}", status=500)
@@ -448,7 +449,8 @@ class JaxTransferKVManager(BaseKVManager):
         return room
 
     def _register(self, room: int, page_ids: list[int], prompt_len: int | None,
-                  first_token: int | None, first_logprob: float | None) -> m.Ready:
+                  first_token: int | None, first_logprob: float | None,
+                  cached_tokens: int = 0) -> m.Ready:
         if self.runner is None:
             raise KVTransferError(f"room {room}: no runner registered (call register_runner)",
                                   status=500)
@@ -463,7 +465,8 @@ class JaxTransferKVManager(BaseKVManager):
         return m.Ready(room=room, transfer_addr=self.engine.address, transfer_uuid=uuid,
                        expires_at=deadline, pools=(meta,),
                        prompt_len=int(prompt_len if prompt_len is not None else 0),
-                       first_token=first_token, first_logprob=first_logprob)
+                       first_token=first_token, first_logprob=first_logprob,
+                       cached_tokens=int(cached_tokens))
 
     def _pull(self, msg: m.Ready, specs: list[Any], timeout_s: float, *, room: int) -> Any:
         """Start D's pull of `msg`'s KV; a Future of the pulled packed arrays."""

@@ -8,7 +8,8 @@ Every message is one JSON object, UTF-8, at most `max_bytes` long, with a protoc
 | want   | D -> P    | room; D says it waits for this room's KV (P learns D's identity)       |
 | ready  | P -> D    | room, transfer_addr, transfer_uuid, expires_at (unix s), pools (list   |
 |        |           | of PackedMeta dicts: shape, dtype, page_count, page_size, sharding,    |
-|        |           | num_entries), first_token, first_logprob (optional), prompt_len       |
+|        |           | num_entries), first_token, first_logprob (optional), prompt_len,      |
+|        |           | cached_tokens (optional: prompt tokens P took from its prefix cache)   |
 | done   | D -> P    | room, ok (bool), reason (optional)                                     |
 | failed | both      | room, reason (str), status (optional HTTP status int)                  |
 
@@ -49,6 +50,7 @@ class Ready:
     prompt_len: int
     first_token: int | None = None
     first_logprob: float | None = None
+    cached_tokens: int = 0
     type: str = field(default="ready", init=False)
 
 
@@ -146,13 +148,18 @@ def from_dict(d: Any) -> Message:
     if prompt_len < 0:
         raise MessageError(f"ready message: prompt_len must be >= 0, got {prompt_len}")
     logprob = _get(d, "first_logprob", (int, float), optional=True, mtype=mtype)
+    cached = _get(d, "cached_tokens", (int,), optional=True, mtype=mtype) or 0
+    if not 0 <= cached <= prompt_len:
+        raise MessageError(f"ready message: cached_tokens must be in [0, prompt_len="
+                           f"{prompt_len}], got {cached}")
     return Ready(room=room, transfer_addr=_get(d, "transfer_addr", (str,), mtype=mtype),
                  transfer_uuid=uuid,
                  expires_at=float(_get(d, "expires_at", (int, float), mtype=mtype)),
                  pools=tuple(_pool(p, i) for i, p in enumerate(pools)),
                  prompt_len=prompt_len,
                  first_token=_get(d, "first_token", (int,), optional=True, mtype=mtype),
-                 first_logprob=None if logprob is None else float(logprob))
+                 first_logprob=None if logprob is None else float(logprob),
+                 cached_tokens=cached)
 
 
 def decode(raw: bytes, max_bytes: int) -> Message:

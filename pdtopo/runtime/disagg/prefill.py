@@ -125,7 +125,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             return
         prompt_len = len(req.prompt_ids)
         sender.send(req.page_ids[: self.pages_for(prompt_len)], prompt_len=prompt_len,
-                    first_token=int(next_token))
+                    first_token=int(next_token), cached_tokens=req.cached_tokens)
         req.output_ids.append(int(next_token))
         if sender.poll() == KVPoll.Failed:
             exc = sender.failure_exception()

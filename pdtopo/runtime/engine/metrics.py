@@ -46,6 +46,17 @@ class EngineMetrics:
                                      labelnames=list(lab), registry=reg).labels(**lab)
         self.generation_tokens = Counter("sglang:generation_tokens", "Output tokens generated",
                                          labelnames=list(lab), registry=reg).labels(**lab)
+        self.cache_hit_rate = Gauge("sglang:cache_hit_rate",
+                                    "Prompt tokens served from the prefix cache / all prompt "
+                                    "tokens looked up (since start)",
+                                    labelnames=list(lab), registry=reg).labels(**lab)
+        self.cached_tokens = Counter("pdtopo:prompt_tokens_cached",
+                                     "Prompt tokens whose KV came from the prefix cache",
+                                     registry=reg)
+        self.computed_tokens = Counter("pdtopo:prompt_tokens_computed",
+                                       "Prompt tokens prefilled (computed)", registry=reg)
+        self.tree_pages = Gauge("pdtopo:prefix_cache_pages", "KV pages held by the prefix cache",
+                                registry=reg)
         self.free_pages = Gauge("pdtopo:free_pages", "Free KV pool pages", registry=reg)
         self.total_pages = Gauge("pdtopo:total_pages", "Usable KV pool pages", registry=reg)
         self.preemptions = Counter("pdtopo:preemptions", "Requests preempted (recomputed)",
@@ -53,6 +64,10 @@ class EngineMetrics:
         self.requests = Counter("pdtopo:requests", "Finished requests by outcome",
                                 labelnames=["role", "finish"], registry=reg)
         self._role = role
+
+    def set_cache_hits(self, cached: int, looked_up: int) -> None:
+        """sglang:cache_hit_rate from the prompt tokens served by the cache and all looked up."""
+        self.cache_hit_rate.set(cached / looked_up if looked_up else 0.0)
 
     def request_finished(self, finish_type: str) -> None:
         self.requests.labels(role=self._role, finish=finish_type).inc()

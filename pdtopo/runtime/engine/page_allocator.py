@@ -1,8 +1,11 @@
-"""Free list of KV pool pages. Page 0 is reserved (padding target) and never handed out.
+"""KV pool pages with reference counts. Page 0 is reserved (padding target) and never handed out.
 
-Owned by the scheduler thread (not locked). `alloc(n)` returns n page ids or raises
-`OutOfPages` (nothing is taken then); `free(pages)` gives them back and rejects pages that are
-out of range or not currently allocated (a double free is a bug worth failing loudly on).
+Owned by the scheduler thread (not locked). `alloc(n)` returns n free page ids, each with one
+reference, or raises `OutOfPages` (nothing is taken then). `incref(pages)` adds a holder to
+pages already in use (a request reusing pages of the prefix cache, or the cache adopting a
+request's page); `free(pages)` drops one reference of each and returns a page to the free list
+when its last holder lets go. Freeing a page nobody holds (or the same page twice in one call)
+is a bug worth failing loudly on: it raises and changes nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ class PageAllocator:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(1, num_pages))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}   # page -> holders (only pages in use)
 
     @property
     def num_total(self) -> int:
@@ -34,7 +37,14 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    def refcount(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
+    def used_pages(self) -> dict[int, int]:
+        """A copy of {page: holders} for every page in use (consistency checks)."""
+        return dict(self._refs)
 
     def can_alloc(self, n: int) -> bool:
         return n <= len(self._free)
@@ -45,17 +55,32 @@ class PageAllocator:
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_total}")
         pages = [self._free.popleft() for _ in range(n)]
-        self._used.update(pages)
+        for p in pages:
+            self._refs[p] = 1
         return pages
 
-    def free(self, pages: Iterable[int]) -> None:
+    def incref(self, pages: Iterable[int]) -> None:
         pages = list(pages)
-        bad = [p for p in pages if p not in self._used]
+        bad = [p for p in pages if p not in self._refs]
+        if bad:
+            raise ValueError(f"adding a holder to pages that are not allocated: {bad}")
+        for p in pages:
+            self._refs[p] += 1
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Drop one reference of each page; pages left without holders become free."""
+        pages = list(pages)
+        bad = [p for p in pages if p not in self._refs]
         if bad or len(set(pages)) != len(pages):
             raise ValueError(f"freeing pages that are not allocated (or repeated): {bad or pages}")
-        self._used.difference_update(pages)
-        self._free.extend(pages)
+        for p in pages:
+            left = self._refs[p] - 1
+            if left:
+                self._refs[p] = left
+            else:
+                del self._refs[p]
+                self._free.append(p)
 
     def reset(self) -> None:
         self._free = deque(range(1, self.num_pages))
-        self._used.clear()
+        self._refs.clear()

@@ -286,6 +286,7 @@ class Req:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_emitted: int = 0          # output tokens already handed to the sink
+    cached_tokens: int = 0        # prompt tokens whose KV came from a prefix cache (P's in PD)
     num_preemptions: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # free space for mixins
 

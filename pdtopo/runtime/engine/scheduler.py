@@ -44,12 +44,14 @@ import random
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.model_runner import SeqChunk
 from pdtopo.runtime.engine.page_allocator import OutOfPages, PageAllocator
+from pdtopo.runtime.engine.prefix_cache import PrefixCache, reference_problems
 from pdtopo.runtime.engine.request import FinishReason, Req, ReqOutput, ReqStatus
 from pdtopo.runtime.engine.sampling import RowParams, Sampler
 
@@ -78,6 +80,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.page_size = runner.page_size
         self.allocator = PageAllocator(runner.num_pages)
+        self.prefix_cache = self.make_prefix_cache(eng)
         self.max_model_len = eng.max_model_len
         self.max_prefill_tokens = eng.max_prefill_tokens
         self.max_running = eng.max_running_requests
@@ -99,6 +102,7 @@ class Scheduler:
         self.num_generated = 0
         self.num_prefill_tokens = 0
         self.num_preemptions = 0
+        self.num_cached_tokens = 0    # prompt tokens whose KV came from the prefix cache
         self._tput_window: deque[tuple[float, int]] = deque()
         self.alive = True
         self.publish_stats()
@@ -211,6 +215,9 @@ class Scheduler:
             self.handle_new_request(payload)
         elif kind == "abort":
             self.handle_abort(payload)
+        elif kind == "flush_cache":
+            if payload.set_running_or_notify_cancel():
+                payload.set_result(self._flush_cache())
         elif kind is _STOP:
             self._stop.set()
         else:
@@ -266,10 +273,7 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        if req.page_ids:
-            self.allocator.free(req.page_ids)
-            req.page_ids = []
-        req.num_computed = 0
+        self.release_kv(req, keep=self.keeps_kv(req))
 
     def emit(self, req: Req) -> None:
         new = req.output_ids[req.num_emitted:]
@@ -279,7 +283,7 @@ class Scheduler:
         req.sink.emit(ReqOutput(
             rid=req.rid, new_token_ids=list(new), num_output_tokens=len(req.output_ids),
             prompt_tokens=len(req.prompt_ids), finished=req.finished,
-            finish_reason=req.finish_reason))
+            finish_reason=req.finish_reason, cached_tokens=req.cached_tokens))
 
     def add_to_running(self, req: Req) -> None:
         req.status = ReqStatus.RUNNING
@@ -330,7 +334,74 @@ class Scheduler:
         return math.ceil(num_tokens / self.page_size)
 
     def alloc_pages(self, n: int) -> list[int]:
+        self.ensure_free(n)
         return self.allocator.alloc(n)
+
+    def ensure_free(self, n: int) -> bool:
+        """Whether `n` pages are free, after evicting unreferenced prefix-cache pages (LRU)
+        if too few were: the cache gives way before any request is preempted or waits."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.num_free >= n
+
+    # ------------------------------------------------------------------ prefix cache
+    def make_prefix_cache(self, eng) -> PrefixCache | None:
+        """The engine's prefix cache (`engine.prefix_cache`); role mixins that keep none
+        (D without `disaggregation.decode_prefix_cache`) return None."""
+        return PrefixCache(self.allocator, self.page_size) if eng.prefix_cache else None
+
+    def match_prefix(self, req: Req) -> None:
+        """Start a request that holds no KV at its longest cached prefix: full pages only, and
+        never its last token (the logits of the next token come from a forward pass)."""
+        if self.prefix_cache is None or req.page_ids:
+            return
+        pages = self.prefix_cache.match(req.all_ids, (req.seq_len - 1) // self.page_size)
+        req.page_ids = pages
+        req.num_computed = len(pages) * self.page_size
+        req.cached_tokens = req.num_computed
+
+    def keeps_kv(self, req: Req) -> bool:
+        """Whether a request's computed pages go into the prefix cache when it lets them go:
+        when it finished normally or is preempted; never after an abort or a failure (its KV
+        may be incomplete or the engine may be broken)."""
+        reason = req.finish_reason
+        return reason is None or reason.get("type") in ("length", "stop")
+
+    def release_kv(self, req: Req, keep: bool) -> None:
+        """Give up a request's pages: offer its full computed pages to the prefix cache first
+        (`keep`), then drop the request's references (pages the cache or others hold stay)."""
+        if req.page_ids:
+            if keep and self.prefix_cache is not None:
+                self.prefix_cache.insert(req.all_ids, req.page_ids, req.num_computed)
+            self.allocator.free(req.page_ids)
+            req.page_ids = []
+        req.num_computed = 0
+
+    def page_problems(self) -> list[str]:
+        """Disagreements between the allocator's references and their holders (the prefix
+        cache and every live request's page table); empty when consistent."""
+        tables = [r.page_ids for r in self.reqs.values()]
+        return reference_problems(self.allocator, self.prefix_cache, tables)
+
+    def flush_cache(self) -> Future:
+        """Thread-safe: empty the prefix cache of every page no request holds (on the scheduler
+        thread); the future's result says what was freed and what is still held."""
+        fut: Future = Future()
+        self.inbox.put(("flush_cache", fut))
+        return fut
+
+    def flush_caches(self) -> list[Future]:
+        """The futures of every engine this object schedules (one here; see local mode)."""
+        return [self.flush_cache()]
+
+    def _flush_cache(self) -> dict[str, Any]:
+        cache = self.prefix_cache
+        freed = cache.flush() if cache is not None else 0
+        return {"prefix_cache": cache is not None, "flushed_pages": freed,
+                "tree_pages": cache.num_pages if cache is not None else 0,
+                "num_reqs": len(self.reqs), "free_pages": self.allocator.num_free,
+                "total_pages": self.allocator.num_total}
 
     def make_chunk(self, token_ids: list[int], start_pos: int, page_ids: list[int]):
         return SeqChunk(list(token_ids), int(start_pos), list(page_ids))
@@ -364,14 +435,22 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(batch.reqs) >= self.max_running:
                 break
+            fresh = not req.page_ids
+            if fresh:
+                self.match_prefix(req)
             need = self.pages_for(req.seq_len) - len(req.page_ids)
             if need > 0:
                 # Keep one page per decoding request in reserve so admission does not force
                 # an immediate preemption; with nothing running, any request that fits goes.
                 reserve = len(self.running) + len(batch.reqs)
-                if need + reserve > self.allocator.num_free:
+                if not self.ensure_free(need + reserve):
+                    if fresh:  # hold no cached pages while waiting
+                        self.release_kv(req, keep=False)
                     break  # FCFS: wait for pages
                 req.page_ids.extend(self.alloc_pages(need))
+            if fresh and req.cached_tokens:
+                self.num_cached_tokens += req.cached_tokens
+                self.metrics.cached_tokens.inc(req.cached_tokens)
             remaining = req.seq_len - req.num_computed
             n = min(remaining, budget)
             tokens = req.all_ids[req.num_computed:req.num_computed + n]
@@ -386,7 +465,7 @@ class Scheduler:
             if req not in self.running:
                 continue  # preempted while growing an earlier request
             need = self.pages_for(req.seq_len) - len(req.page_ids)
-            while need > 0 and not self.allocator.can_alloc(need):
+            while need > 0 and not self.ensure_free(need):
                 victim = self.pick_victim(exclude=req)
                 if victim is None:
                     break
@@ -429,6 +508,7 @@ class Scheduler:
             if batch.kind == "prefill":
                 self.num_prefill_tokens += n
                 self.metrics.prompt_tokens.inc(n)
+                self.metrics.computed_tokens.inc(n)
                 if not batch.completes[i]:
                     continue
                 self.waiting.remove(req)
@@ -458,6 +538,12 @@ class Scheduler:
             "num_generated": self.num_generated,
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_preemptions": self.num_preemptions,
+            "prefix_cache": self.prefix_cache is not None,
+            "tree_pages": self.prefix_cache.num_pages if self.prefix_cache is not None else 0,
+            "cached_tokens": self.num_cached_tokens,
+            "evicted_pages": self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
+            # checked only when idle (cheap then; the full check runs in tests at any time)
+            "page_problems": None if self.reqs else self.page_problems()[:5],
             "gen_throughput": tput,
             "alive": self.alive,
         }
@@ -470,3 +556,5 @@ class Scheduler:
         m.free_pages.set(stats["free_pages"])
         m.total_pages.set(stats["total_pages"])
         m.token_usage.set(1.0 - stats["free_pages"] / max(1, stats["total_pages"]))
+        m.tree_pages.set(stats["tree_pages"])
+        m.set_cache_hits(self.num_cached_tokens, self.num_cached_tokens + self.num_prefill_tokens)

@@ -46,6 +46,10 @@ class LocalDecodeMixin(LocalEngineMixin):
         self.num_waits = 0                     # backlog heads that had to wait for room
         self._held_waiting = False
 
+    def make_prefix_cache(self, eng):
+        """Decode engines keep no prefix cache: every prompt's KV comes from prefill."""
+        return None
+
     def warmup_engine(self) -> None:
         """Decode batches only: the scheduler's warmup compiles a one-token step (and the
         sampler) at every batch size; prefill-sized steps (recompute after preemption) compile
@@ -86,7 +90,7 @@ class LocalDecodeMixin(LocalEngineMixin):
                 continue
             need = self.pages_for(item.prompt_len)
             if (len(self.running) >= self.max_running
-                    or need + len(self.running) > self.allocator.num_free):
+                    or not self.ensure_free(need + len(self.running))):
                 if not self._held_waiting:
                     self._held_waiting = True
                     self.num_waits += 1

@@ -15,7 +15,9 @@ from typing import Any
 
 from pdtopo.runtime.engine.metrics import EngineMetrics
 
-SUMMED = ("num_running", "num_queue", "gen_throughput", "free_pages", "total_pages")
+SUMMED = ("num_running", "num_queue", "gen_throughput", "free_pages", "total_pages",
+          "tree_pages")
+_HIT_COUNTS = ("cache_cached", "cache_looked_up")  # per engine, for the process's hit rate
 
 
 class GaugeBoard:
@@ -24,7 +26,7 @@ class GaugeBoard:
     def __init__(self, base: EngineMetrics) -> None:
         self.base = base
         self._lock = threading.Lock()
-        self._values: dict[str, dict[str, float]] = {g: {} for g in SUMMED}
+        self._values: dict[str, dict[str, float]] = {g: {} for g in SUMMED + _HIT_COUNTS}
 
     def set(self, gauge: str, engine: str, value: float) -> None:
         with self._lock:
@@ -34,6 +36,14 @@ class GaugeBoard:
                 free = sum(self._values["free_pages"].values())
                 total = sum(self._values["total_pages"].values())
                 self.base.token_usage.set(1.0 - free / total if total else 0.0)
+
+    def set_cache_hits(self, engine: str, cached: int, looked_up: int) -> None:
+        """The process's hit rate from every engine's prompt tokens (cached / looked up)."""
+        with self._lock:
+            self._values["cache_cached"][engine] = float(cached)
+            self._values["cache_looked_up"][engine] = float(looked_up)
+            self.base.set_cache_hits(sum(self._values["cache_cached"].values()),
+                                     sum(self._values["cache_looked_up"].values()))
 
 
 class _Slot:
@@ -54,9 +64,13 @@ class EngineMetricsView:
 
     def __init__(self, board: GaugeBoard, engine: str) -> None:
         self._base = board.base
+        self._board, self._engine = board, engine
         for gauge in SUMMED:
             setattr(self, gauge, _Slot(board, gauge, engine))
         self.token_usage = _Ignored()
+
+    def set_cache_hits(self, cached: int, looked_up: int) -> None:
+        self._board.set_cache_hits(self._engine, cached, looked_up)
 
     def __getattr__(self, name: str) -> Any:  # histograms, counters, request_finished, render
         return getattr(self._base, name)

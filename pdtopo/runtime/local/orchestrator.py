@@ -13,7 +13,7 @@ each with its own lock. Nothing else crosses threads.
 Facade (thread-safe, called from the HTTP event loop): `submit(req)` (round robin over prefill
 engines), `abort(rid)` (marked on the board, sent to every engine), `check_fits`, `stats()`
 (process totals plus `engines`: every engine's pool and queues), `alive`, `warmup()`,
-`start()`, `stop()`.
+`start()`, `stop()`, `flush_caches()`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ log = logging.getLogger("pdtopo.local")
 
 _SUMMED = ("free_pages", "total_pages", "num_running", "num_waiting", "num_tokens",
            "num_forward", "num_generated", "num_prefill_tokens", "num_preemptions",
-           "gen_throughput")
+           "gen_throughput", "tree_pages", "cached_tokens")
 
 
 class LocalOrchestrator:
@@ -142,6 +142,10 @@ class LocalOrchestrator:
                 return f"{e.engine_name}: {err}"
         return None
 
+    def flush_caches(self) -> list[Any]:
+        """Every engine's `flush_cache()` future (POST /flush_cache)."""
+        return [e.flush_cache() for e in self.engines]
+
     # ------------------------------------------------------------------ state
     def stats(self) -> dict[str, Any]:
         per = {e.engine_name: {**e.stats(), **e.local_state(), "role": e.role}
@@ -152,6 +156,7 @@ class LocalOrchestrator:
         out["num_waiting"] += in_flight
         out.update({
             "page_size": self.prefills[0].page_size,
+            "prefix_cache": any(s.get("prefix_cache") for s in per.values()),
             "num_reqs": self.board.num_live(),
             "alive": self.alive,
             "crashed_threads": list(self._crashed),

@@ -48,9 +48,7 @@ class LocalPrefillMixin(LocalEngineMixin):
         prompt_len = len(req.prompt_ids)
         packed = select_from_kv_caches(self.runner.kv_caches,
                                        req.page_ids[: self.pages_for(prompt_len)])
-        self.allocator.free(req.page_ids)  # packed holds copies
-        req.page_ids = []
-        req.num_computed = 0
+        self.release_kv(req, keep=True)  # packed holds copies; full pages stay cached
         self.reqs.pop(req.rid, None)
         item = TransferItem(req=req, packed=packed, prompt_len=prompt_len,
                             source=self.engine_name)
