@@ -1,0 +1,156 @@
+"""The prefix cache with real model runners: greedy tokens with the cache on equal the cache off
+(tiny model) and HF transformers' own greedy tokens (checkpoints written by transformers), for
+shared prefixes of 0 pages, less than a page, one page and many pages, a prompt made only of
+cached pages, colocated and through a P/D pair (real transfer servers and ZMQ side channel) where
+P's hits reach D's reported `cached_tokens`."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pdtopo.config.compose import compose_config
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.model_runner import ModelRunner
+from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
+from pdtopo.runtime.model.tokenizer import load_tokenizer
+from pdtopo.runtime.scheduler_factory import make_scheduler
+from pdtopo.runtime.settings import direct_process_context
+from tests.conftest import free_port
+from tests.e2e_support import baseline_problems
+from tests.hf_checkpoints import CASES, build, hf_greedy
+
+pytestmark = pytest.mark.slow  # real runners
+
+PS = 8
+NEW = 12
+ENGINE = [f"engine.page_size={PS}", "engine.num_pages=96", "engine.max_model_len=128",
+          "engine.max_running_requests=4", "engine.max_prefill_tokens=128",
+          "disaggregation.kv_timeout_s=30"]
+
+
+def shared_prefix_prompts(vocab: int, seed: int = 3) -> list[tuple[str, list[int], int]]:
+    """(name, prompt, expected cached tokens) in the order they are sent to one server."""
+    rng = np.random.default_rng(seed)
+
+    def toks(n):
+        return [int(t) for t in rng.integers(2, vocab, size=n)]
+
+    system, first = toks(5 * PS), toks(11)
+    return [
+        ("first", first, 0),
+        ("shares 0 pages", toks(1) + first[1:], 0),
+        ("shares less than a page", first[:5] + toks(9), 0),
+        ("shares one page", first[:PS + 2] + toks(7), PS),
+        ("system prompt", system + toks(6), 0),
+        ("shares many pages", system + toks(9), 5 * PS),
+        ("only cached pages", system, 4 * PS),   # the last page is recomputed
+        ("a later turn", system + toks(6) + toks(20), 5 * PS),
+    ]
+
+
+def _scheduler(cfg, role: str, tok):
+    ports = {"http": free_port(), "transfer": free_port(), "zmq": free_port()}
+    ctx = direct_process_context(cfg, role=role, name=f"{role}_0", extra={"ports": ports})
+    return make_scheduler(ctx, ModelRunner(cfg.model, cfg.engine, build_mesh(1)), tok)
+
+
+def _req(prompt, room=None, p=None) -> Req:
+    req = Req(rid=new_rid(), prompt_ids=list(prompt), sink=QueueSink(),
+              sampling=SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+    if room is not None:
+        req.bootstrap_room = room
+        req.bootstrap_host, req.bootstrap_port = "127.0.0.1", p.kv_manager.channel.port
+    return req
+
+
+def one_by_one(sched, prompts) -> list[tuple[list[int], int]]:
+    """Each prompt after the previous answer (so that it can hit): (tokens, cached_tokens)."""
+    out = []
+    for prompt in prompts:
+        r = _req(prompt)
+        sched.submit(r)
+        ids, final = r.sink.collect(120)
+        assert final.finish_reason["type"] == "length", final.finish_reason
+        out.append((list(ids), final.cached_tokens))
+    return out
+
+
+def pd_one_by_one(p, d, prompts, room0: int) -> list[tuple[list[int], int]]:
+    out = []
+    for room, prompt in enumerate(prompts, start=room0):
+        rp, rd = _req(prompt, room, p), _req(prompt, room, p)
+        d.submit(rd)
+        p.submit(rp)
+        _, p_final = rp.sink.collect(120)
+        ids, final = rd.sink.collect(120)
+        assert final.finish_reason["type"] == "length", final.finish_reason
+        assert final.cached_tokens == p_final.cached_tokens  # P's hit, reported by D
+        out.append((list(ids), final.cached_tokens))
+    return out
+
+
+def _idle(*scheds, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    for s in scheds:
+        while baseline_problems(s.stats()) or s.stats()["num_reqs"]:
+            assert time.monotonic() < deadline, baseline_problems(s.stats())
+            time.sleep(0.02)
+
+
+def test_tiny_model_cache_on_equals_cache_off_colocated_and_pd():
+    cfg_on = compose_config(["model.num_layers=2", *ENGINE])
+    cfg_off = compose_config(["model.num_layers=2", "engine.prefix_cache=false", *ENGINE])
+    tok = load_tokenizer(cfg_on.model)
+    cases = shared_prefix_prompts(vocab=256)
+    prompts = [p for _, p, _ in cases]
+    on, off = _scheduler(cfg_on, "colocated", tok), _scheduler(cfg_off, "colocated", tok)
+    p, d = _scheduler(cfg_on, "prefill", tok), _scheduler(cfg_on, "decode", tok)
+    for s in (on, off, p, d):
+        s.start()
+    try:
+        got_off = one_by_one(off, prompts)
+        got_on = one_by_one(on, prompts)
+        got_pd = pd_one_by_one(p, d, prompts, room0=7000)
+        for (name, _, cached), (ids_off, c_off), (ids_on, c_on), (ids_pd, c_pd) in zip(
+                cases, got_off, got_on, got_pd, strict=True):
+            assert ids_on == ids_off, name
+            assert ids_pd == ids_off, name
+            assert (c_off, c_on, c_pd) == (0, cached, cached), name
+        assert d.prefix_cache is None  # D keeps the RFC's chunk cache by default
+        _idle(on, p, d)
+        assert on.page_problems() == [] and p.page_problems() == []
+        assert on.stats()["tree_pages"] > 0 and p.stats()["tree_pages"] > 0
+    finally:
+        for s in (on, off, p, d):
+            s.stop()
+
+
+@pytest.mark.parametrize("name", ["llama_gqa3", "qwen3_head_dim"])
+def test_hf_checkpoint_with_cache_gives_transformers_greedy_tokens(tmp_path, name):
+    case = next(c for c in CASES if c.name == name)
+    directory, model = build(case, tmp_path)
+    cfg = compose_config(["model=hf_local", f"model.path={directory}", "model.tokenizer=byte",
+                          *ENGINE])
+    tok = load_tokenizer(cfg.model)
+    cases = shared_prefix_prompts(vocab=int(model.config.vocab_size), seed=5)
+    refs = [hf_greedy(model, p, NEW) for _, p, _ in cases]
+    assert min(r.min_margin for r in refs) > 1e-4  # no near-ties to make this flaky
+    colocated = _scheduler(cfg, "colocated", tok)
+    p, d = _scheduler(cfg, "prefill", tok), _scheduler(cfg, "decode", tok)
+    for s in (colocated, p, d):
+        s.start()
+    try:
+        prompts = [pr for _, pr, _ in cases]
+        got = one_by_one(colocated, prompts)
+        got_pd = pd_one_by_one(p, d, prompts, room0=8000)
+        for (label, _, cached), ref, (ids, c), (ids_pd, c_pd) in zip(
+                cases, refs, got, got_pd, strict=True):
+            assert ids == ref.tokens and ids_pd == ref.tokens, label
+            assert c == c_pd == cached, label
+        _idle(colocated, p, d)
+    finally:
+        for s in (colocated, p, d):
+            s.stop()
