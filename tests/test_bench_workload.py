@@ -9,7 +9,7 @@ import pytest
 from pdtopo.bench.loadgen import RequestResult, arrival_offsets
 from pdtopo.bench.settings import BenchConfigError, BenchSettings
 from pdtopo.bench.stats import percentile, request_itls
-from pdtopo.bench.workload import build_workload, load_jsonl, synthetic
+from pdtopo.bench.workload import build_workload, load_jsonl, multiturn, synthetic
 from pdtopo.cli import main
 from pdtopo.config.compose import compose_config
 
@@ -29,6 +29,10 @@ def test_default_config_section_is_valid():
     ({"token_id_range": [5, 5]}, "bench.token_id_range"),
     ({"slo": {"ttft": 3}}, "bench.slo"),
     ({"nope": 1}, "bench.nope"),
+    ({"workload": "chat"}, "bench.workload"),
+    ({"workload": "multiturn", "dataset": "/tmp/x.jsonl"}, "bench.workload"),
+    ({"multiturn": {"turns": 0}}, "bench.multiturn.turns"),
+    ({"multiturn": {"rounds": 3}}, "bench.multiturn"),
 ])
 def test_bad_settings_name_the_key(bad, key):
     with pytest.raises(BenchConfigError, match=key.replace(".", r"\.")):
@@ -93,3 +97,23 @@ def test_summary_per_tag():
     assert set(st["by_tag"]) == {"decode", "long"}
     assert st["by_tag"]["long"]["ttft_ms"]["p50"] == pytest.approx(300.0)
     assert "by_tag" not in st["by_tag"]["long"]
+
+
+def test_multiturn_conversations_share_system_prompts_and_grow_turn_by_turn():
+    s = BenchSettings.from_config({"workload": "multiturn", "output_len": 5, "seed": 2,
+                                   "multiturn": {"system_prompts": 2, "system_len": 40,
+                                                 "conversations": 5, "turns": 3,
+                                                 "user_len": 7}})
+    assert s.num_workload_requests == 15
+    convs = multiturn(s)
+    assert convs == multiturn(s)  # seeded
+    assert len(convs) == 5 and {len(c.system_ids) for c in convs} == {40}
+    assert convs[0].system_ids == convs[2].system_ids != convs[1].system_ids
+    c = convs[0]
+    first = c.prompt([], 0)
+    assert first == c.system_ids + c.user_ids[0]
+    answer = [9, 9, 9, 9, 9]
+    second = c.prompt(first + answer, 1)
+    assert second == first + answer + c.user_ids[1] and len(second) == 40 + 7 + 5 + 7
+    assert all(len(u) == 7 for u in c.user_ids) and c.output_lens == [5, 5, 5]
+    assert compose_config(["bench.workload=multiturn"]).bench.multiturn.turns >= 3

@@ -125,3 +125,34 @@ def test_bad_request_is_a_clear_400_and_service_continues(pd, reference):
     assert "max_new_tokens" in resp.text
     out = generate(pd.proxy_url, {"text": PROMPTS[1], "sampling_params": GREEDY})
     assert out["output_ids"] == reference[PROMPTS[1]]["output_ids"]
+
+
+def _turns(url: str, system: list[int], questions: list[list[int]]) -> list[dict]:
+    """A conversation: each turn's prompt is the previous prompt + its answer + a question."""
+    history, outs = list(system), []
+    for q in questions:
+        prompt = history + q
+        out = generate(url, {"input_ids": prompt, "sampling_params": GREEDY})
+        outs.append(out)
+        history = prompt + out["output_ids"]
+    return outs
+
+
+def test_multi_turn_hits_p_prefix_cache_and_matches_colocated(pd, colocated):
+    """Turns after the first reuse P's cached pages (the whole conversation so far); D reports
+    P's hit in meta_info.cached_tokens; the tokens equal the colocated server's."""
+    system = [256] + [ord(c) for c in "You are a helpful assistant for paged KV caches. " * 2]
+    questions = [[ord(c) for c in f"Question {i}: why?"] for i in range(3)]
+    ref = _turns(colocated.url, system, questions)
+    got = _turns(pd.proxy_url, system, questions)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    page = 16
+    for i, o in enumerate(got):
+        prompt_len = o["meta_info"]["prompt_tokens"]
+        cached = o["meta_info"]["cached_tokens"]
+        assert cached % page == 0 and cached < prompt_len
+        if i:  # everything before this turn's question, in full pages, came from the cache
+            previous = got[i - 1]["meta_info"]["prompt_tokens"] + len(got[i - 1]["output_ids"])
+            assert cached >= (previous - 1) // page * page - page, (i, cached, previous)
+            assert cached > 0
+    wait_pools_baseline(pd)

@@ -1,6 +1,8 @@
 """PD scale-out with real processes: 2P2D behind the Rust router under 32 concurrent requests,
 and a tensor-parallel 1P1D (2 emulated devices per instance, KV sharded over kv heads). Both
-must produce exactly the colocated server's greedy tokens; all four 2P2D servers must serve."""
+must produce exactly the colocated server's greedy tokens; all four 2P2D servers must serve, and
+sending the prompts again hits P's prefix caches (D reports the cached tokens) with the same
+tokens."""
 
 from __future__ import annotations
 
@@ -57,6 +59,17 @@ def test_2p2d_32_concurrent_requests(tmp_path_factory, reference):
                 lambda p: generate(dep.proxy_url, {"text": p, "sampling_params": GREEDY}, 300),
                 PROMPTS))
         assert [o["output_ids"] for o in outs] == [reference[p] for p in PROMPTS]
+        # again, now that P's prefix caches hold these prompts: same tokens, cached prefixes
+        with cf.ThreadPoolExecutor(8) as ex:
+            again = list(ex.map(
+                lambda p: generate(dep.proxy_url, {"text": p, "sampling_params": GREEDY}, 300),
+                PROMPTS))
+        assert [o["output_ids"] for o in again] == [reference[p] for p in PROMPTS]
+        cached = [o["meta_info"]["cached_tokens"] for o in again]
+        assert sum(c > 0 for c in cached) >= 16, cached  # reported by D, hit on P
+        assert sum(_counter(dep.url(n), "pdtopo:prompt_tokens_cached_total")
+                   for n in dep.names("prefill")) == sum(cached) + sum(
+            o["meta_info"]["cached_tokens"] for o in outs)
         for name in dep.names("prefill"):
             assert _counter(dep.url(name), "sglang:prompt_tokens_total") > 0, name
         for name in dep.names("decode"):

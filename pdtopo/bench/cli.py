@@ -43,7 +43,8 @@ def main(argv: list[str]) -> int:
         err.print(f"[bold red]pdtopo bench:[/] {exc}", soft_wrap=True)
         return 2
     con = Console(highlight=False)
-    con.print(f"benchmarking {url}: {settings.num_requests} requests at "
+    con.print(f"benchmarking {url}: {settings.num_workload_requests} requests "
+              f"({settings.workload}) at "
               f"{settings.request_rate} req/s ({settings.arrival}), "
               f"concurrency <= {settings.max_concurrency}")
     metrics = run_bench(url, settings)

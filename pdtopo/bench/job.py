@@ -58,7 +58,8 @@ def bench_job(cfg: DictConfig, run_dir: Path, plan: Any, launch_to_healthy_s: fl
         waited = wait_serving(url, timeout)
         if launch_to_healthy_s is not None:
             extra["launch_to_serving_s"] = launch_to_healthy_s + waited
-        con.print(f"bench: {settings.num_requests} requests at {settings.request_rate} req/s "
+        con.print(f"bench: {settings.num_workload_requests} requests ({settings.workload}) at "
+                  f"{settings.request_rate} req/s "
                   f"against {url}")
         metrics = run_bench(url, settings)
     except Exception as exc:  # noqa: BLE001 - any failure is a failed job, never a crash

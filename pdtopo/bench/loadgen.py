@@ -6,6 +6,11 @@ at `request_rate`, seeded; all at once for rate inf), caps requests in flight at
 per request: send time, the arrival time of every output token, and an error kind. Errors
 (HTTP status, timeout, connection, error event in the stream, bad stream) are recorded,
 never raised, so one bad request cannot end a run. A rich progress bar shows completions.
+
+`run_conversations(url, conversations, settings)` sends a multiturn workload: conversations
+start at the arrival times, each sends its turns in order, a turn's prompt being the previous
+prompt + the answer's output ids + the new user message; a failed turn ends its conversation
+(the turns it never sent are recorded as `conversation_ended`).
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ import json
 import math
 import random
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pdtopo.bench.settings import BenchSettings
-from pdtopo.bench.workload import BenchRequest
+from pdtopo.bench.workload import BenchRequest, Conversation
 
 
 @dataclass
@@ -34,6 +42,8 @@ class RequestResult:
     end: float = 0.0                         # when the stream ended (or failed)
     token_times: list[float] = field(default_factory=list)  # arrival time of each token
     prompt_tokens: int | None = None         # as reported by the server
+    cached_tokens: int | None = None         # prompt tokens served by a prefix cache (server)
+    output_ids: list[int] = field(default_factory=list)
     error: str | None = None                 # kind: http_503, timeout, connection, ...
     error_detail: str = ""
 
@@ -90,13 +100,18 @@ async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest,
                     res.error_detail = json.dumps(err)[:300]
                     return
                 ids = chunk.get("output_ids")
+                meta = chunk.get("meta_info", {})
                 n = len(ids) if isinstance(ids, list) else \
-                    int(chunk.get("meta_info", {}).get("completion_tokens", seen))
+                    int(meta.get("completion_tokens", seen))
                 res.token_times.extend([now] * max(0, n - seen))
                 seen = max(seen, n)
-                pt = chunk.get("meta_info", {}).get("prompt_tokens")
+                if isinstance(ids, list):
+                    res.output_ids = ids
+                pt, ct = meta.get("prompt_tokens"), meta.get("cached_tokens")
                 if isinstance(pt, int):
                     res.prompt_tokens = pt
+                if isinstance(ct, int):
+                    res.cached_tokens = ct
         if seen == 0:
             res.error, res.error_detail = "no_tokens", "stream ended without output tokens"
     except httpx.TimeoutException as exc:
@@ -110,14 +125,10 @@ async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest,
         res.end = time.perf_counter()
 
 
-async def run_load_async(url: str, requests: list[BenchRequest], settings: BenchSettings,
-                         *, progress: bool | None = None,
-                         offsets: list[float] | None = None) -> tuple[list[RequestResult], float]:
-    """Send `requests`; returns (results in request order, wall duration in seconds)."""
-    url = url.rstrip("/")
-    offsets = arrival_offsets(len(requests), settings) if offsets is None else offsets
-    results = [RequestResult(i, r.tag, r.input_len, r.output_len) for i, r in enumerate(requests)]
-    sem = asyncio.Semaphore(settings.max_concurrency)
+@asynccontextmanager
+async def _session(settings: BenchSettings, total: int,
+                   progress: bool | None) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """One pooled client for the run and the progress bar; yields (client, advance(ok))."""
     limits = httpx.Limits(max_connections=settings.max_concurrency,
                           max_keepalive_connections=settings.max_concurrency)
     timeout = httpx.Timeout(settings.timeout_s, connect=min(10.0, settings.timeout_s))
@@ -128,37 +139,100 @@ async def run_load_async(url: str, requests: list[BenchRequest], settings: Bench
     errors = 0
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         with bar:
-            task = bar.add_task("bench", total=len(requests), errors=0)
+            task = bar.add_task("bench", total=total, errors=0)
 
-            async def one(i: int) -> None:
+            def advance(ok: bool) -> None:
                 nonlocal errors
-                try:
-                    await asyncio.wait_for(
-                        _stream_one(client, url, requests[i], settings, results[i]),
-                        timeout=settings.timeout_s * 2)
-                except asyncio.TimeoutError:
-                    results[i].error = "timeout"
-                    results[i].end = time.perf_counter()
-                finally:
-                    sem.release()
-                    errors += 0 if results[i].ok else 1
-                    bar.update(task, advance=1, errors=errors)
+                errors += 0 if ok else 1
+                bar.update(task, advance=1, errors=errors)
 
-            t0 = time.perf_counter()
-            tasks = []
-            for i, off in enumerate(offsets):
-                delay = t0 + off - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                await sem.acquire()
-                tasks.append(asyncio.create_task(one(i)))
-            await asyncio.gather(*tasks)
+            yield client, advance
+
+
+async def _send(client, url, req, settings, res) -> None:
+    try:
+        await asyncio.wait_for(_stream_one(client, url, req, settings, res),
+                               timeout=settings.timeout_s * 2)
+    except asyncio.TimeoutError:
+        res.error = "timeout"
+        res.end = time.perf_counter()
+
+
+def _duration(results: list[RequestResult]) -> float:
     starts = [r.start for r in results if r.start]
     ends = [r.end for r in results if r.end]
-    duration = (max(ends) - min(starts)) if starts and ends else 0.0
-    return results, duration
+    return (max(ends) - min(starts)) if starts and ends else 0.0
+
+
+async def _at_offsets(offsets: list[float], sem: asyncio.Semaphore | None, start) -> None:
+    """Start `start(i)` at each offset (after taking `sem` when given); wait for them all."""
+    t0 = time.perf_counter()
+    tasks = []
+    for i, off in enumerate(offsets):
+        delay = t0 + off - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if sem is not None:
+            await sem.acquire()
+        tasks.append(asyncio.create_task(start(i)))
+    await asyncio.gather(*tasks)
+
+
+async def run_load_async(url: str, requests: list[BenchRequest], settings: BenchSettings,
+                         *, progress: bool | None = None,
+                         offsets: list[float] | None = None) -> tuple[list[RequestResult], float]:
+    """Send `requests`; returns (results in request order, wall duration in seconds)."""
+    url = url.rstrip("/")
+    offsets = arrival_offsets(len(requests), settings) if offsets is None else offsets
+    results = [RequestResult(i, r.tag, r.input_len, r.output_len) for i, r in enumerate(requests)]
+    sem = asyncio.Semaphore(settings.max_concurrency)
+    async with _session(settings, len(requests), progress) as (client, advance):
+        async def one(i: int) -> None:
+            try:
+                await _send(client, url, requests[i], settings, results[i])
+            finally:
+                sem.release()
+                advance(results[i].ok)
+
+        await _at_offsets(offsets, sem, one)
+    return results, _duration(results)
+
+
+async def run_conversations_async(url: str, conversations: list[Conversation],
+                                  settings: BenchSettings, *, progress: bool | None = None
+                                  ) -> tuple[list[RequestResult], float]:
+    """Send a multiturn workload; results in (conversation, turn) order, tagged `turn<k>`."""
+    url = url.rstrip("/")
+    turns = settings.multiturn.turns
+    results = [RequestResult(c.index * turns + t, f"turn{t + 1}", None, c.output_lens[t])
+               for c in conversations for t in range(turns)]
+    sem = asyncio.Semaphore(settings.max_concurrency)
+    async with _session(settings, len(results), progress) as (client, advance):
+        async def converse(ci: int) -> None:
+            conv, history = conversations[ci], []
+            for t in range(turns):
+                res = results[ci * turns + t]
+                if t and not results[ci * turns + t - 1].ok:
+                    res.error, res.error_detail = "conversation_ended", "an earlier turn failed"
+                    advance(False)
+                    continue
+                prompt = conv.prompt(history, t)
+                res.input_len = len(prompt)
+                req = BenchRequest(output_len=conv.output_lens[t], input_ids=prompt, tag=res.tag)
+                async with sem:
+                    await _send(client, url, req, settings, res)
+                advance(res.ok)
+                history = prompt + list(res.output_ids)
+
+        await _at_offsets(arrival_offsets(len(conversations), settings), None, converse)
+    return results, _duration(results)
 
 
 def run_load(url: str, requests: list[BenchRequest], settings: BenchSettings,
              **kw) -> tuple[list[RequestResult], float]:
     return asyncio.run(run_load_async(url, requests, settings, **kw))
+
+
+def run_conversations(url: str, conversations: list[Conversation], settings: BenchSettings,
+                      **kw) -> tuple[list[RequestResult], float]:
+    return asyncio.run(run_conversations_async(url, conversations, settings, **kw))

@@ -48,7 +48,25 @@ def metrics_table(metrics: dict, title: str | None = None) -> Group:
         f"goodput {fmt(gp['rps'], 2)} req/s ({fmt((gp['fraction'] or 0) * 100, 0)}% within "
         f"TTFT <= {slo['ttft_ms']} ms, ITL p99 <= {slo['itl_ms']} ms)",
     ]
+    if s.get("cached_tokens"):
+        lines.append(f"prefix cache {fmt((s['cached_token_ratio'] or 0) * 100, 0)}% of prompt "
+                     f"tokens cached ({s['cached_tokens']:,} of {s['input_tokens']:,})")
     if metrics.get("launch_to_healthy_s") is not None:
         lines.append(f"launch to healthy {metrics['launch_to_healthy_s']:.1f} s")
     style = "red" if req["failed"] else ""
-    return Group(lat, *(Text(line, style=style if i == 0 else "") for i, line in enumerate(lines)))
+    parts = [lat, *(Text(line, style=style if i == 0 else "") for i, line in enumerate(lines))]
+    if s.get("by_tag"):
+        parts.append(tag_table(s["by_tag"]))
+    return Group(*parts)
+
+
+def tag_table(by_tag: dict) -> Table:
+    """TTFT and cached tokens per request class (per turn index for a multiturn workload)."""
+    t = Table(title="by class (multiturn: turn index)", title_justify="left")
+    for col in ("class", "requests", "TTFT p50", "TTFT p99", "E2E p50", "cached %"):
+        t.add_column(col, justify="left" if col == "class" else "right")
+    for tag, st in sorted(by_tag.items()):
+        t.add_row(tag, str(st["requests"]["completed"]), fmt(st["ttft_ms"]["p50"]),
+                  fmt(st["ttft_ms"]["p99"]), fmt(st["e2e_ms"]["p50"]),
+                  fmt((st["cached_token_ratio"] or 0) * 100, 0))
+    return t

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 
 from pdtopo.bench import stats
-from pdtopo.bench.loadgen import run_load
+from pdtopo.bench.loadgen import run_conversations, run_load
 from pdtopo.bench.settings import BenchSettings
-from pdtopo.bench.workload import build_workload, warmup_workload
+from pdtopo.bench.workload import build_workload, multiturn, warmup_workload
 
 
 def default_url(run_dir: Path) -> str:
@@ -56,14 +56,22 @@ def wait_serving(url: str, timeout_s: float = 120.0, poll_s: float = 0.25) -> fl
 
 def run_bench(url: str, settings: BenchSettings, *, workload=None, progress: bool | None = None,
               offsets: list[float] | None = None) -> dict:
-    requests = build_workload(settings) if workload is None else workload
+    conversations = None
+    if workload is None and settings.workload == "multiturn":
+        conversations = multiturn(settings)
+    elif workload is None:
+        workload = build_workload(settings)
     warm = warmup_workload(settings)
     if warm:
         warm_settings = BenchSettings(**{**settings.__dict__, "max_concurrency": 1,
                                          "request_rate": float("inf")})
         run_load(url, warm, warm_settings, progress=False)
     started = time.time()
-    results, duration = run_load(url, requests, settings, progress=progress, offsets=offsets)
+    if conversations is not None:
+        results, duration = run_conversations(url, conversations, settings, progress=progress)
+    else:
+        results, duration = run_load(url, workload, settings, progress=progress,
+                                     offsets=offsets)
     return {
         "url": url,
         "started_at": started,

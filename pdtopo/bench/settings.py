@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 ARRIVALS = ("poisson", "fixed")
+WORKLOADS = ("synthetic", "multiturn")
 
 
 class BenchConfigError(ValueError):
@@ -26,6 +27,20 @@ class BenchConfigError(ValueError):
 class Slo:
     ttft_ms: float | None = 2000.0
     itl_ms: float | None = 200.0
+
+
+@dataclass
+class Multiturn:
+    """`bench.workload: multiturn`: `system_prompts` shared system prompts of `system_len`
+    tokens; `conversations` conversations of `turns` turns each; a turn's prompt is the
+    conversation so far (system prompt, earlier user messages and answers) plus a new user
+    message of `user_len` tokens."""
+
+    system_prompts: int = 2
+    system_len: int = 256
+    conversations: int = 8
+    turns: int = 3
+    user_len: int = 32
 
 
 @dataclass
@@ -43,6 +58,8 @@ class BenchSettings:
     output_len_range: float = 0.0
     token_id_range: tuple[int, int] = (32, 127)
     dataset: str | None = None
+    workload: str = "synthetic"
+    multiturn: Multiturn = field(default_factory=Multiturn)
     ignore_eos: bool = True
     temperature: float = 0.0
     slo: Slo = field(default_factory=Slo)
@@ -63,7 +80,12 @@ class BenchSettings:
         slo = data.pop("slo", None) or {}
         if not isinstance(slo, dict) or set(slo) - {"ttft_ms", "itl_ms"}:
             raise BenchConfigError("slo", slo, "expected {ttft_ms: ms|null, itl_ms: ms|null}")
+        turns = data.pop("multiturn", None) or {}
+        mt_keys = {f.name for f in fields(Multiturn)}
+        if not isinstance(turns, dict) or set(turns) - mt_keys:
+            raise BenchConfigError("multiturn", turns, f"expected a mapping of {sorted(mt_keys)}")
         out = cls(**{k: v for k, v in data.items()})
+        out.multiturn = Multiturn(**{k: _int(f"multiturn.{k}", v, 1) for k, v in turns.items()})
         out.slo = Slo(**{k: (None if v is None else _num(f"slo.{k}", v, 0.0)) for k, v in slo.items()})
         out._check()
         return out
@@ -93,10 +115,24 @@ class BenchSettings:
             raise BenchConfigError("token_id_range", ids, "expected [low, high) with 0 <= low < high")
         self.token_id_range = (int(ids[0]), int(ids[1]))
         self.temperature = _num("temperature", self.temperature, 0.0)
+        if self.workload not in WORKLOADS:
+            raise BenchConfigError("workload", self.workload, f"expected one of {WORKLOADS}")
+        if self.workload == "multiturn" and self.dataset:
+            raise BenchConfigError("workload", self.workload,
+                                   f"a multiturn workload is generated: it cannot be combined "
+                                   f"with bench.dataset={self.dataset!r} (drop one of them)")
+
+    @property
+    def num_workload_requests(self) -> int:
+        """Requests of the measured run: num_requests, or conversations x turns (multiturn)."""
+        if self.workload == "multiturn":
+            return self.multiturn.conversations * self.multiturn.turns
+        return self.num_requests
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["slo"] = {"ttft_ms": self.slo.ttft_ms, "itl_ms": self.slo.itl_ms}
+        out["multiturn"] = {f.name: getattr(self.multiturn, f.name) for f in fields(Multiturn)}
         out["token_id_range"] = list(self.token_id_range)
         out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
         return out

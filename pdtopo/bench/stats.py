@@ -10,7 +10,9 @@
   requests (ITL over all their gaps);
 - request, input/output/total token throughput over the run's wall time;
 - goodput: completed requests with TTFT <= slo.ttft_ms and own ITL p99 <= slo.itl_ms, per
-  second and as a fraction of all requests; error counts by kind.
+  second and as a fraction of all requests; error counts by kind;
+- prefix cache: prompt tokens the servers reported as cached (meta_info.cached_tokens) and
+  their ratio to all prompt tokens of completed requests.
 Requests carrying a tag (e.g. a mixed workload) are summarized per tag as well.
 """
 
@@ -83,6 +85,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo,
     in_tokens = sum((r.prompt_tokens if r.prompt_tokens is not None else r.input_len or 0)
                     for r in done)
     out_tokens = sum(r.output_tokens for r in done)
+    cached = sum(r.cached_tokens or 0 for r in done)
     itls = [g for r in done for g in request_itls(r)]
     tpots = [(r.end - r.token_times[0]) / (r.output_tokens - 1)
              for r in done if r.output_tokens > 1]
@@ -101,6 +104,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo,
         "total_token_throughput": (in_tokens + out_tokens) / dur,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
+        "cached_tokens": cached,
+        "cached_token_ratio": cached / in_tokens if in_tokens else math.nan,
         "ttft_ms": distribution([ttft(r) for r in done]),
         "itl_ms": distribution(itls),
         "tpot_ms": distribution(tpots),

@@ -5,6 +5,11 @@ seeded) and random prompt token ids; `load_jsonl(path, settings)` reads a datase
 request per line: `{"prompt": str}` or `{"input_ids": [int]}`, and optional `"output_len"`.
 `build_workload(settings)` picks one of the two. Every request carries its expected output
 length so the statistics can count tokens exactly.
+
+`multiturn(settings)` builds conversations instead (`bench.workload: multiturn`): each starts
+from one of `system_prompts` shared system prompts and has `turns` user messages; the load
+generator sends turn t+1 after turn t's answer, its prompt being the conversation so far (so a
+prefix cache can serve everything but the newest message).
 """
 
 from __future__ import annotations
@@ -37,6 +42,34 @@ class BenchRequest:
         else:
             body["text"] = self.prompt
         return body
+
+
+@dataclass
+class Conversation:
+    system_ids: list[int]
+    user_ids: list[list[int]]       # one new user message per turn
+    output_lens: list[int]          # answer length per turn
+    index: int = 0
+
+    def prompt(self, history: list[int], turn: int) -> list[int]:
+        """The prompt of `turn`: the conversation so far (`history`: the previous turn's
+        prompt and answer; empty for the first turn) plus this turn's user message."""
+        return (history or list(self.system_ids)) + self.user_ids[turn]
+
+
+def multiturn(settings: BenchSettings) -> list[Conversation]:
+    mt = settings.multiturn
+    rng = random.Random(settings.seed * 1_000_003 + 31337)
+    lo, hi = settings.token_id_range
+    systems = [[rng.randrange(lo, hi) for _ in range(mt.system_len)]
+               for _ in range(mt.system_prompts)]
+    out = []
+    for c in range(mt.conversations):
+        outs = _lengths(rng, mt.turns, settings.output_len, settings.output_len_range)
+        users = [[rng.randrange(lo, hi) for _ in range(mt.user_len)] for _ in range(mt.turns)]
+        out.append(Conversation(system_ids=systems[c % len(systems)], user_ids=users,
+                                output_lens=outs, index=c))
+    return out
 
 
 def _lengths(rng: random.Random, n: int, mean: int, spread: float) -> list[int]:

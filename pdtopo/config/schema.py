@@ -20,6 +20,15 @@ from omegaconf.errors import OmegaConfBaseException
 MODES = ("pd", "colocated", "local")
 PLATFORMS = ("tpu", "cpu")
 PROXY_KINDS = ("rust", "mini_lb")
+# The routing policies each proxy offers (sglang-router 0.3: `launch_router --help`); `manual`
+# routes by a client header, `bucket` (prefill only) by prompt length.
+PROXY_POLICIES = {
+    "rust": {"policy": ("random", "round_robin", "cache_aware", "power_of_two", "manual",
+                        "bucket"),
+             "decode_policy": ("random", "round_robin", "cache_aware", "power_of_two",
+                               "manual")},
+    "mini_lb": {"policy": ("random",), "decode_policy": ("random",)},
+}
 PORT_KINDS = ("http", "transfer", "zmq")
 
 

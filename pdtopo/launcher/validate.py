@@ -18,6 +18,7 @@ from pdtopo.config.schema import (
     PLATFORMS,
     PORT_KINDS,
     PROXY_KINDS,
+    PROXY_POLICIES,
     ProxySchema,
     RoleSchema,
     TopologyError,
@@ -53,6 +54,14 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
     if proxy.kind not in PROXY_KINDS:
         raise TopologyError("proxy.kind", proxy.kind,
                             f"unknown proxy kind (known: {', '.join(PROXY_KINDS)})")
+    for key_field, offered in PROXY_POLICIES[proxy.kind].items():
+        value = getattr(proxy, key_field)
+        if value not in offered:
+            hint = (" (mini_lb routes at random only; use proxy=rust for round_robin or "
+                    "cache_aware)" if proxy.kind == "mini_lb" else "")
+            raise TopologyError(f"proxy.{key_field}", value,
+                                f"not a policy of the {proxy.kind} proxy (it offers: "
+                                f"{', '.join(offered)}){hint}")
     for key_field in ("api_key", "api_key_file"):
         if proxy.kind == "mini_lb" and getattr(proxy, key_field):
             raise TopologyError(f"proxy.{key_field}", "***" if key_field == "api_key"
