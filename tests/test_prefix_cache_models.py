@@ -2,7 +2,9 @@
 (tiny model) and HF transformers' own greedy tokens (checkpoints written by transformers), for
 shared prefixes of 0 pages, less than a page, one page and many pages, a prompt made only of
 cached pages, colocated and through a P/D pair (real transfer servers and ZMQ side channel) where
-P's hits reach D's reported `cached_tokens`."""
+P's hits reach D's reported `cached_tokens`; with D's own cache
+(`disaggregation.decode_prefix_cache`), a conversation pulls only each turn's new pages, and a
+claim of cached pages that does not match the prompt fails the room cleanly."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import numpy as np
 import pytest
 
 from pdtopo.config.compose import compose_config
+from pdtopo.runtime.disagg import messages as m
+from pdtopo.runtime.disagg.side_channel import SideChannel
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
@@ -154,3 +158,82 @@ def test_hf_checkpoint_with_cache_gives_transformers_greedy_tokens(tmp_path, nam
     finally:
         for s in (colocated, p, d):
             s.stop()
+
+
+def test_decode_prefix_cache_pulls_only_new_pages_and_matches_colocated():
+    cfg = compose_config(["model.num_layers=2", "disaggregation.decode_prefix_cache=true",
+                          *ENGINE])
+    tok = load_tokenizer(cfg.model)
+    colocated = _scheduler(cfg, "colocated", tok)
+    p, d = _scheduler(cfg, "prefill", tok), _scheduler(cfg, "decode", tok)
+    assert d.prefix_cache is not None
+    for s in (colocated, p, d):
+        s.start()
+    try:
+        rng = np.random.default_rng(11)
+        history = [int(t) for t in rng.integers(2, 256, size=4 * PS + 3)]
+        page_bytes = None
+        for turn in range(4):
+            prompt = history + [int(t) for t in rng.integers(2, 256, size=6)]
+            before = d.stats()
+            (ids_ref, _), = one_by_one(colocated, [prompt])
+            (ids, _), = pd_one_by_one(p, d, [prompt], room0=9000 + turn)
+            assert ids == ids_ref, turn
+            after = d.stats()
+            pulled = after["pd_pulled_pages"] - before["pd_pulled_pages"]
+            held = after["pd_decode_cached_pages"] - before["pd_decode_cached_pages"]
+            pages = -(-len(prompt) // PS)
+            assert pulled + held == pages, (turn, pulled, held, pages)
+            if turn == 0:
+                assert held == 0
+                page_bytes = (after["pd_pulled_bytes"] - before["pd_pulled_bytes"]) / pulled
+            else:  # D kept the conversation so far (every full page with KV): P sends the rest
+                assert held == (len(history) - 1) // PS, (turn, held, len(history))
+                got = after["pd_pulled_bytes"] - before["pd_pulled_bytes"]
+                assert got == (pages - held) * page_bytes, (turn, got, pages, held)
+            history = prompt + ids
+        _idle(colocated, p, d)
+        assert d.page_problems() == [] and d.stats()["tree_pages"] > 0
+        assert p.stats()["pd_skipped_pages"] == d.stats()["pd_decode_cached_pages"] > 0
+    finally:
+        for s in (colocated, p, d):
+            s.stop()
+
+
+def test_a_claim_of_cached_pages_that_does_not_match_fails_the_room_cleanly():
+    cfg = compose_config(["model.num_layers=2", "disaggregation.decode_prefix_cache=true",
+                          *ENGINE])
+    tok = load_tokenizer(cfg.model)
+    p = _scheduler(cfg, "prefill", tok)
+    p.start()
+    fake_d = SideChannel(bind=None, max_bytes=65536, name="fake-d")
+    try:
+        endpoint = f"127.0.0.1:{p.kv_manager.channel.port}"
+        room = 4242
+        prompt = list(range(10, 10 + 3 * PS + 2))
+        fake_d.send_to(endpoint, m.Want(room=room, cached_pages=2, prefix_hash="0" * 32))
+        req = _req(prompt, room, p)
+        p.submit(req)
+        _, final = req.sink.collect(60)
+        assert final.finish_reason["type"] == "abort", final.finish_reason
+        assert "prefix hash mismatch" in final.finish_reason["message"]
+        failed = fake_d.events.get(timeout=10).msg
+        assert isinstance(failed, m.Failed) and failed.room == room
+        assert "prefix hash mismatch" in failed.reason
+        # the server goes on: the same prompt with an honest claim of 0 pages is served
+        honest = SideChannel(bind=None, max_bytes=65536, name="honest-d")
+        try:
+            honest.send_to(endpoint, m.Want(room=room + 1))
+            ok = _req(prompt, room + 1, p)
+            p.submit(ok)
+            _, final = ok.sink.collect(60)
+            assert final.finish_reason["type"] == "length"
+            ready = honest.events.get(timeout=10).msg
+            assert isinstance(ready, m.Ready) and ready.skip_pages == 0
+            honest.send_to(endpoint, m.Failed(room=room + 1, reason="this test D pulls nothing"))
+        finally:
+            honest.close()
+        _idle(p)
+    finally:
+        fake_d.close()
+        p.stop()

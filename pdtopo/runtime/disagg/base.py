@@ -277,7 +277,8 @@ class BaseKVManager(abc.ABC):
     def create_sender(self, room: int) -> BaseKVSender: ...
 
     @abc.abstractmethod
-    def create_receiver(self, room: int, bootstrap_addr: str) -> BaseKVReceiver: ...
+    def create_receiver(self, room: int, bootstrap_addr: str, cached_pages: int = 0,
+                        prefix_hash: str | None = None) -> BaseKVReceiver: ...
 
 
 class BaseKVBootstrapServer(abc.ABC):

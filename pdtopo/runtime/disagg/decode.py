@@ -32,6 +32,7 @@ from typing import Any
 
 from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.disagg.kvpoll import KVPoll
+from pdtopo.runtime.disagg.messages import prefix_digest
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
 from pdtopo.runtime.disagg.peers import PeerDirectory
 from pdtopo.runtime.engine.request import FinishReason, Req
@@ -58,6 +59,9 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         self.transfer_queue: list[PendingTransfer] = []
         self.ready_queue: deque[PendingTransfer] = deque()  # KV in the pool, awaiting a slot
         self._pending: dict[str, PendingTransfer] = {}
+        self.num_pulled_pages = 0
+        self.num_pulled_bytes = 0
+        self.num_decode_cached_pages = 0   # prompt pages D's own prefix cache held (not pulled)
 
     def make_prefix_cache(self, eng):
         """D keeps no prefix cache by default (the RFC's chunk cache: every prompt's KV comes
@@ -100,8 +104,10 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         if self.reject_if_invalid(req):
             return
         addr = f"{req.bootstrap_host}:{int(req.bootstrap_port)}"
+        held, digest = self._match_decode_prefix(req)
         try:
-            receiver = self.kv_manager.create_receiver(int(req.bootstrap_room), addr)
+            receiver = self.kv_manager.create_receiver(int(req.bootstrap_room), addr,
+                                                       cached_pages=held, prefix_hash=digest)
         except (KVTransferError, ValueError) as exc:
             self.finish_request(req, FinishReason.abort(f"bootstrap fields: {exc}", 400))
             return
@@ -109,6 +115,18 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         pending = PendingTransfer(req, receiver, addr)
         self._pending[req.rid] = pending
         self.prealloc_queue.append(pending)
+
+    def _match_decode_prefix(self, req: Req) -> tuple[int, str | None]:
+        """With D's own prefix cache: hold the prompt's longest cached prefix (full pages, never
+        the last token's page) and say so in `want`, so that P sends only the rest."""
+        if self.prefix_cache is None:
+            return 0, None
+        req.page_ids = self.prefix_cache.match(req.prompt_ids,
+                                               (len(req.prompt_ids) - 1) // self.page_size)
+        held = len(req.page_ids)
+        if held:
+            self.num_decode_cached_pages += held
+        return held, prefix_digest(req.prompt_ids, held, self.page_size) if held else None
 
     def _process_prealloc_queue(self) -> None:
         for p in list(self.prealloc_queue):
@@ -122,12 +140,13 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 p.receiver.abort(detail, status=500)
                 self._fail(p, KVTransferError(detail, status=500))
                 continue
-            need = self.pages_for(len(p.req.prompt_ids))
+            need = self.pages_for(len(p.req.prompt_ids)) - len(p.req.page_ids)
             will_decode = len(self.running) + len(self.transfer_queue) + len(self.ready_queue)
             if not self.ensure_free(need + will_decode):
                 break  # FCFS: wait for pages (one spare page per request that will decode)
-            p.req.page_ids = self.alloc_pages(need)
-            p.receiver.init(p.req.page_ids)
+            pulled_into = self.alloc_pages(need)
+            p.req.page_ids.extend(pulled_into)  # after the cached pages D holds, if any
+            p.receiver.init(pulled_into)
             self.prealloc_queue.remove(p)
             self.transfer_queue.append(p)
 
@@ -137,6 +156,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
             if state == KVPoll.Success:
                 self.transfer_queue.remove(p)
                 self.ready_queue.append(p)
+                self.num_pulled_pages += p.receiver.pulled_pages
+                self.num_pulled_bytes += p.receiver.pulled_bytes
             elif state == KVPoll.Failed:
                 self._fail(p, p.receiver.failure_exception())
 
@@ -179,7 +200,9 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
 
     def pd_state(self) -> dict[str, Any]:
         return {"pd_prealloc": len(self.prealloc_queue), "pd_transfers": len(self.transfer_queue),
-                "pd_ready": len(self.ready_queue)}
+                "pd_ready": len(self.ready_queue), "pd_pulled_pages": self.num_pulled_pages,
+                "pd_pulled_bytes": self.num_pulled_bytes,
+                "pd_decode_cached_pages": self.num_decode_cached_pages}
 
     def stop(self, timeout: float = 30.0) -> None:
         super().stop(timeout)

@@ -7,18 +7,23 @@ engine's pull_executor, ZMQ I/O on the side channel's thread).
 P (prefill) scheduler, per request with bootstrap_room R:
     sender = mgr.create_sender(R)              # at request arrival; Bootstrapping
     ... prefill runs; D's `want` may arrive any time (poll() -> WaitingForInput)
-    sender.send(page_ids, prompt_len=L, first_token=t0, first_logprob=lp)
+    sender.send(page_ids, prompt_len=L, first_token=t0, first_logprob=lp, skip_pages=k)
         # gathers the pages (gather_fn, default pdtopo.kernels.select_from_kv_caches) into
         # packed copies, registers them for a pull (expires after sender_expiry_s) and sends
         # `ready` to D as soon as D is known. The request's pool pages can be freed right after
         # send(): the packed arrays are copies. -> Transferring
+        # With a prefix cache on D, D's `want` says how many leading pages it holds
+        # (sender.peer_cached_pages, sender.peer_prefix_hash): P checks the hash and passes only
+        # the remaining pages, with skip_pages=k.
     each step: sender.poll() -> Success when D reports done (the packed arrays are released),
         Failed on D's failure / expiry (sender.failure_exception() says why).
     sender.abort(reason) if P itself fails the request (D is told).
 
 D (decode) scheduler, per request with bootstrap_host H, bootstrap_port PORT, bootstrap_room R:
-    recv = mgr.create_receiver(R, f"{H}:{PORT}")   # sends `want` to P; Bootstrapping
-    recv.init(page_ids)        # pages preallocated for the prompt's KV -> WaitingForInput
+    recv = mgr.create_receiver(R, f"{H}:{PORT}", cached_pages=k, prefix_hash=h)
+        # sends `want` to P (k: leading prompt pages D already holds); Bootstrapping
+    recv.init(page_ids)        # pages preallocated for the rest of the prompt's KV
+                               # -> WaitingForInput
     each step: recv.poll()     # on `ready`: checks P's announcement against the local pool and
         # pulls on the pull_executor -> Transferring; when the pull completes, poll() (on this
         # thread, the pool's owner) scatters the packed pages into runner.kv_caches with
@@ -124,17 +129,22 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
         self.peer: Peer | None = None
         self.ready_msg: m.Ready | None = None
         self.failure_msg: m.Failed | None = None
+        self.peer_cached_pages = 0             # D's prefix-cache claim (from its `want`)
+        self.peer_prefix_hash: str | None = None
 
     def send(self, kv_indices: Sequence[int], *, prompt_len: int | None = None,
              first_token: int | None = None, first_logprob: float | None = None,
-             cached_tokens: int = 0) -> None:
+             cached_tokens: int = 0, skip_pages: int = 0) -> None:
+        """Register `kv_indices` (the prompt's pages after the first `skip_pages`, which D
+        holds) for D's pull and announce them in `ready`."""
         if self._state.state.terminal:
             raise KVTransferError(f"room {self.room}: send() on a {self._state.state.name} sender")
         if self.ready_msg is not None:
             raise KVTransferError(f"room {self.room}: send() called twice")
         try:
             self.ready_msg = self.mgr._register(self.room, list(kv_indices), prompt_len,
-                                                first_token, first_logprob, cached_tokens)
+                                                first_token, first_logprob, cached_tokens,
+                                                skip_pages)
         except Exception as e:
             err = e if isinstance(e, KVTransferError) else KVTransferError(
                 f"room {self.room}: preparing KV for transfer failed: {e}", status=500)
@@ -146,8 +156,10 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
 
 
     # --------------------------------------------------------------- manager callbacks
-    def _on_want(self, peer: Peer) -> None:
+    def _on_want(self, peer: Peer, want: m.Want | None = None) -> None:
         self.peer = peer
+        if want is not None and self.ready_msg is None:
+            self.peer_cached_pages, self.peer_prefix_hash = want.cached_pages, want.prefix_hash
         st = self._state.state
         if st == KVPoll.Bootstrapping:
             self._state.advance(KVPoll.WaitingForInput)
@@ -182,7 +194,8 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
 class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
     """D side of one room (create with `JaxTransferKVManager.create_receiver`)."""
 
-    def __init__(self, mgr: JaxTransferKVManager, room: int, bootstrap_addr: str) -> None:
+    def __init__(self, mgr: JaxTransferKVManager, room: int, bootstrap_addr: str,
+                 cached_pages: int = 0, prefix_hash: str | None = None) -> None:
         self.mgr = mgr
         self.room = room
         self.bootstrap_addr = _check_endpoint(bootstrap_addr, "bootstrap_host:bootstrap_port")
@@ -193,10 +206,17 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
         self.page_ids: list[int] | None = None
         self.ready_info: m.Ready | None = None
         self._future = None
-        self.peer = mgr.channel.send_to(self.bootstrap_addr, m.Want(room=room))
+        self.cached_pages = int(cached_pages)   # leading prompt pages D holds (prefix cache)
+        self.pulled_pages = 0
+        self.pulled_bytes = 0
+        self._drop = 0                           # leading pulled pages D already holds
+        self.peer = mgr.channel.send_to(self.bootstrap_addr, m.Want(
+            room=room, cached_pages=self.cached_pages,
+            prefix_hash=prefix_hash if self.cached_pages else None))
 
     def init(self, kv_indices: Sequence[int]) -> None:
-        """Give the pages preallocated for this room's KV (in the order P sends them)."""
+        """Give the pages preallocated for this room's KV (in the order P sends them): every
+        prompt page after the `cached_pages` D holds."""
         if self.page_ids is not None:
             raise KVTransferError(f"room {self.room}: init() called twice")
         self.page_ids = [int(i) for i in kv_indices]
@@ -230,16 +250,27 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                 raise KVTransferError(
                     f"room {self.room}: P announced pools {[p.name for p in msg.pools]}; this D "
                     f"transfers exactly one {main.pool_type} pool", status=500)
-            if announced[0].page_count != len(pages):
+            if not 0 <= msg.skip_pages <= self.cached_pages:
+                raise KVTransferError(
+                    f"room {self.room}: P skipped {msg.skip_pages} leading pages, D holds "
+                    f"{self.cached_pages}", status=500)
+            # P sent `extra` pages D already holds (D's want reached P after P's send): they
+            # are pulled and dropped before the scatter, never written over D's cached pages
+            extra = self.cached_pages - msg.skip_pages
+            count = len(pages) + extra
+            if announced[0].page_count != count:
                 raise KVTransferError(
                     f"room {self.room}: P sends {announced[0].page_count} pages, D preallocated "
-                    f"{len(pages)}", status=500)
-            check_packed_meta(announced[0], main.packed_meta(len(pages)))
+                    f"{len(pages)} (after the {self.cached_pages} it holds; P skipped "
+                    f"{msg.skip_pages})", status=500)
+            check_packed_meta(announced[0], main.packed_meta(count))
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 raise KVTransferError(f"room {self.room}: KV deadline passed before the pull",
                                       status=504)
-            self._future = self.mgr._pull(msg, main.packed_specs(len(pages)), remaining,
+            self._drop = extra
+            self.pulled_pages = count
+            self._future = self.mgr._pull(msg, main.packed_specs(count), remaining,
                                           room=self.room)
         except KVTransferError as e:
             self._fail(e, notify=True)
@@ -260,7 +291,9 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                 self._fail(err, notify=True)
                 return
             try:
-                self.mgr._scatter(self._future.result(), self.page_ids, room=self.room)
+                packed = self._future.result()
+                self.pulled_bytes = sum(int(a.nbytes) for a in packed)
+                self.mgr._scatter(packed, self.page_ids, room=self.room, skip=self._drop)
             except Exception as e:
                 self._fail(KVTransferError(f"room {self.room}: inserting the pulled KV into "
                                            f"the pool failed: {e}", status=500), notify=True)
@@ -305,7 +338,7 @@ class JaxTransferKVManager(BaseKVManager):
         self._owns_transport = owns_transport
         self._senders: dict[int, JaxTransferKVSender] = {}
         self._receivers: dict[int, JaxTransferKVReceiver] = {}
-        self._early_wants: dict[int, tuple[Peer, float]] = {}   # want before create_sender
+        self._early_wants: dict[int, tuple[Peer, float, m.Want]] = {}  # want before create_sender
         # failed before create_sender: D gave up before P's request arrived (the router posts
         # to P and D at once); P's request for that room is refused instead of prefilled
         self._early_failures: dict[int, tuple[m.Failed, float]] = {}
@@ -373,14 +406,15 @@ class JaxTransferKVManager(BaseKVManager):
         self._senders[room] = s
         early = self._early_wants.pop(room, None)
         if early is not None:
-            s._on_want(early[0])
+            s._on_want(early[0], early[2])
         return s
 
-    def create_receiver(self, room: int, bootstrap_addr: str) -> JaxTransferKVReceiver:
+    def create_receiver(self, room: int, bootstrap_addr: str, cached_pages: int = 0,
+                        prefix_hash: str | None = None) -> JaxTransferKVReceiver:
         room = self._check_room(room)
         if room in self._receivers:
             raise KVTransferError(f"room {room} already has a receiver")
-        r = JaxTransferKVReceiver(self, room, bootstrap_addr)
+        r = JaxTransferKVReceiver(self, room, bootstrap_addr, cached_pages, prefix_hash)
         self._receivers[room] = r
         return r
 
@@ -417,13 +451,13 @@ class JaxTransferKVManager(BaseKVManager):
         if isinstance(msg, m.Want):
             s = self._senders.get(msg.room)
             if s is not None:
-                s._on_want(ev.peer)
+                s._on_want(ev.peer, msg)
             elif msg.room in self._tombstones:
                 failed = self._tombstones[msg.room][0] or m.Failed(
                     room=msg.room, reason="P already finished this room", status=500)
                 self.channel.send(ev.peer, failed)
             else:
-                self._early_wants[msg.room] = (ev.peer, time.time() + self.sender_expiry_s)
+                self._early_wants[msg.room] = (ev.peer, time.time() + self.sender_expiry_s, msg)
         elif isinstance(msg, m.Ready):
             r = self._receivers.get(msg.room)
             if r is not None:
@@ -450,7 +484,7 @@ class JaxTransferKVManager(BaseKVManager):
 
     def _register(self, room: int, page_ids: list[int], prompt_len: int | None,
                   first_token: int | None, first_logprob: float | None,
-                  cached_tokens: int = 0) -> m.Ready:
+                  cached_tokens: int = 0, skip_pages: int = 0) -> m.Ready:
         if self.runner is None:
             raise KVTransferError(f"room {room}: no runner registered (call register_runner)",
                                   status=500)
@@ -466,7 +500,7 @@ class JaxTransferKVManager(BaseKVManager):
                        expires_at=deadline, pools=(meta,),
                        prompt_len=int(prompt_len if prompt_len is not None else 0),
                        first_token=first_token, first_logprob=first_logprob,
-                       cached_tokens=int(cached_tokens))
+                       cached_tokens=int(cached_tokens), skip_pages=int(skip_pages))
 
     def _pull(self, msg: m.Ready, specs: list[Any], timeout_s: float, *, room: int) -> Any:
         """Start D's pull of `msg`'s KV; a Future of the pulled packed arrays."""
@@ -478,12 +512,15 @@ class JaxTransferKVManager(BaseKVManager):
         return fut
 
     def _scatter(self, packed: list[Any], page_ids: list[int] | None,
-                 room: int | None = None) -> None:
+                 room: int | None = None, skip: int = 0) -> None:
+        """Insert the pulled pages into `page_ids`, after dropping the first `skip` of them."""
         if self.runner is None:
             raise KVTransferError("no runner registered (call register_runner)")
         assert page_ids is not None
         if self.mirror is not None:
-            self.mirror.scatter(room, page_ids)
+            self.mirror.scatter(room, page_ids, skip)
+        if skip:
+            packed = [a[skip:] for a in packed]
         self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, packed, page_ids)
 
     def _finish_sender(self, s: JaxTransferKVSender) -> None:

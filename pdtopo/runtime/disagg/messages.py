@@ -5,11 +5,14 @@ Every message is one JSON object, UTF-8, at most `max_bytes` long, with a protoc
 
 | type   | direction | fields                                                                 |
 |--------|-----------|------------------------------------------------------------------------|
-| want   | D -> P    | room; D says it waits for this room's KV (P learns D's identity)       |
+| want   | D -> P    | room; D says it waits for this room's KV (P learns D's identity);      |
+|        |           | cached_pages, prefix_hash (optional: D holds the prompt's first       |
+|        |           | cached_pages pages already; prefix_digest of their token ids)          |
 | ready  | P -> D    | room, transfer_addr, transfer_uuid, expires_at (unix s), pools (list   |
 |        |           | of PackedMeta dicts: shape, dtype, page_count, page_size, sharding,    |
 |        |           | num_entries), first_token, first_logprob (optional), prompt_len,      |
-|        |           | cached_tokens (optional: prompt tokens P took from its prefix cache)   |
+|        |           | cached_tokens (optional: prompt tokens P took from its prefix cache),  |
+|        |           | skip_pages (optional: leading prompt pages not sent: D holds them)     |
 | done   | D -> P    | room, ok (bool), reason (optional)                                     |
 | failed | both      | room, reason (str), status (optional HTTP status int)                  |
 
@@ -20,7 +23,9 @@ missing or mistyped known fields are errors.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,9 +39,20 @@ class MessageError(ValueError):
     """A side-channel message that cannot be accepted (the text says why)."""
 
 
+def prefix_digest(token_ids: Sequence[int], num_pages: int, page_size: int) -> str:
+    """What P and D compare before P skips pages D says it holds: a hash of the token ids of
+    the first `num_pages` full pages (and the page size), hex."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{int(page_size)}:{int(num_pages)}:".encode())
+    h.update(",".join(str(int(t)) for t in token_ids[:num_pages * page_size]).encode())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class Want:
     room: int
+    cached_pages: int = 0
+    prefix_hash: str | None = None
     type: str = field(default="want", init=False)
 
 
@@ -51,6 +67,7 @@ class Ready:
     first_token: int | None = None
     first_logprob: float | None = None
     cached_tokens: int = 0
+    skip_pages: int = 0
     type: str = field(default="ready", init=False)
 
 
@@ -131,7 +148,13 @@ def from_dict(d: Any) -> Message:
     if not 0 <= room <= MAX_ROOM:
         raise MessageError(f"{mtype} message: room {room} is outside [0, 2**64)")
     if mtype == "want":
-        return Want(room=room)
+        cached = _get(d, "cached_pages", (int,), optional=True, mtype=mtype) or 0
+        digest = _get(d, "prefix_hash", (str,), optional=True, mtype=mtype)
+        if cached < 0:
+            raise MessageError(f"want message: cached_pages must be >= 0, got {cached}")
+        if cached and (digest is None or len(digest) != 32):
+            raise MessageError("want message: cached_pages > 0 needs a 32-character prefix_hash")
+        return Want(room=room, cached_pages=cached, prefix_hash=digest if cached else None)
     if mtype == "done":
         return Done(room=room, ok=_get(d, "ok", (bool,), mtype=mtype),
                     reason=_get(d, "reason", (str,), optional=True, mtype=mtype))
@@ -152,6 +175,9 @@ def from_dict(d: Any) -> Message:
     if not 0 <= cached <= prompt_len:
         raise MessageError(f"ready message: cached_tokens must be in [0, prompt_len="
                            f"{prompt_len}], got {cached}")
+    skip = _get(d, "skip_pages", (int,), optional=True, mtype=mtype) or 0
+    if skip < 0:
+        raise MessageError(f"ready message: skip_pages must be >= 0, got {skip}")
     return Ready(room=room, transfer_addr=_get(d, "transfer_addr", (str,), mtype=mtype),
                  transfer_uuid=uuid,
                  expires_at=float(_get(d, "expires_at", (int, float), mtype=mtype)),
@@ -159,7 +185,7 @@ def from_dict(d: Any) -> Message:
                  prompt_len=prompt_len,
                  first_token=_get(d, "first_token", (int,), optional=True, mtype=mtype),
                  first_logprob=None if logprob is None else float(logprob),
-                 cached_tokens=cached)
+                 cached_tokens=cached, skip_pages=skip)
 
 
 def decode(raw: bytes, max_bytes: int) -> Message:

@@ -4,7 +4,9 @@ A request reaching P carries `bootstrap_room` (and host/port, which name this P)
 
     handle_new_request   -> create a KV sender for the room (D's `want` may already be waiting),
                             then the engine's normal admission into the waiting queue
-    prefill (engine)     -> on_prefill_finished(req, first_token):
+    prefill (engine)     -> on_prefill_finished(req, first_token) (with
+                            disaggregation.decode_prefix_cache: once D's `want` has said which
+                            leading pages D holds; those are checked and skipped):
                             sender.send(prompt pages, prompt_len, first_token) gathers the pages
                             into packed copies, registers them for D's pull and sends `ready`;
                             the request then finishes at once with that one token (the router
@@ -28,8 +30,9 @@ from typing import Any
 
 from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.disagg.kvpoll import KVPoll
+from pdtopo.runtime.disagg.messages import prefix_digest
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
-from pdtopo.runtime.engine.request import FinishReason, Req
+from pdtopo.runtime.engine.request import FinishReason, Req, ReqStatus
 from pdtopo.runtime.engine.step_inputs import bucket
 
 log = logging.getLogger("pdtopo.disagg.prefill")
@@ -43,6 +46,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         self._init_disaggregation()
         self._senders: dict[str, Any] = {}     # rid -> sender, until the request finishes
         self._inflight: list[Any] = []         # senders whose KV awaits D's pull
+        self.num_skipped_pages = 0             # prompt pages not sent: D's cache held them
+        self.waits_for_decode_claim = bool(self.ctx.settings.disaggregation.decode_prefix_cache)
+        self._awaiting_want: dict[str, float] = {}  # rid -> deadline: prefilled, before want
 
     def warmup(self) -> None:
         """P samples only first tokens of prefill batches: compile the sampler for every
@@ -71,13 +77,15 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
     # ------------------------------------------------------------------ loop
     def step(self) -> None:
         self._poll_senders()
+        if self._awaiting_want:
+            self._poll_awaiting_want()
         super().step()
 
     def has_work(self) -> bool:
-        return bool(self._inflight) or super().has_work()
+        return bool(self._inflight or self._awaiting_want) or super().has_work()
 
     def idle_wait(self, timeout: float | None = None) -> None:
-        if timeout is None and (self._inflight or self._senders):
+        if timeout is None and (self._inflight or self._senders or self._awaiting_want):
             timeout = PENDING_POLL_S
         super().idle_wait(timeout)
 
@@ -123,10 +131,41 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         if sender is None:  # a health check (no room): an ordinary local request
             super().on_prefill_finished(req, next_token)
             return
-        prompt_len = len(req.prompt_ids)
-        sender.send(req.page_ids[: self.pages_for(prompt_len)], prompt_len=prompt_len,
-                    first_token=int(next_token), cached_tokens=req.cached_tokens)
         req.output_ids.append(int(next_token))
+        if self.waits_for_decode_claim and sender.peer is None:
+            # D keeps a prefix cache: its `want` says which pages it holds, so wait for it
+            # (holding the pages) rather than send pages D has; bounded by kv_timeout_s
+            req.status = ReqStatus.HELD
+            self._awaiting_want[req.rid] = time.monotonic() + self.kv_manager.kv_timeout_s
+            return
+        self._send_kv(req, sender)
+
+    def _poll_awaiting_want(self) -> None:
+        now = time.monotonic()
+        for rid, deadline in list(self._awaiting_want.items()):
+            req, sender = self.reqs.get(rid), self._senders.get(rid)
+            if req is None or sender is None:
+                self._awaiting_want.pop(rid, None)
+                continue
+            state = sender.poll()
+            if state == KVPoll.Failed:
+                exc = sender.failure_exception()
+                self.finish_request(req, FinishReason.abort(
+                    f"KV transfer failed: {exc}", getattr(exc, "status", None) or 502))
+            elif sender.peer is not None or now >= deadline:
+                del self._awaiting_want[rid]
+                self._send_kv(req, sender)
+
+    def _send_kv(self, req: Req, sender) -> None:
+        """Register the prompt's pages (those D lacks) for D's pull, announce them, and finish
+        P's side of the request with its one token."""
+        prompt_len = len(req.prompt_ids)
+        skip = self._pages_decode_holds(req, sender)
+        if skip is None:
+            return
+        sender.send(req.page_ids[skip: self.pages_for(prompt_len)], prompt_len=prompt_len,
+                    first_token=int(req.output_ids[0]), cached_tokens=req.cached_tokens,
+                    skip_pages=skip)
         if sender.poll() == KVPoll.Failed:
             exc = sender.failure_exception()
             status = getattr(exc, "status", None) or 500
@@ -135,7 +174,31 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         self.metrics.ttft.observe(max(0.0, time.monotonic() - req.arrival_time))
         self.finish_request(req, FinishReason.length(1))
 
+    def _pages_decode_holds(self, req: Req, sender) -> int | None:
+        """How many leading prompt pages D said it holds (its prefix cache; 0 without one),
+        after checking the claim against this prompt's token ids. A claim that does not match
+        (another prompt, another page size, too many pages) fails the room at once: P never
+        sends a partial KV that D would complete with the wrong pages. None: failed."""
+        k = sender.peer_cached_pages
+        if not k:
+            return 0
+        prompt_len = len(req.prompt_ids)
+        problem = None
+        if k > (prompt_len - 1) // self.page_size:
+            problem = (f"D claims {k} cached pages of a {prompt_len}-token prompt (at most "
+                       f"{(prompt_len - 1) // self.page_size} full pages before the last token)")
+        elif sender.peer_prefix_hash != prefix_digest(req.prompt_ids, k, self.page_size):
+            problem = (f"D's {k} cached pages hold other tokens than this prompt's first "
+                       f"{k * self.page_size} (prefix hash mismatch)")
+        if problem is None:
+            self.num_skipped_pages += k
+            return k
+        sender.abort(problem, status=500)
+        self.finish_request(req, FinishReason.abort(f"KV transfer refused: {problem}", 500))
+        return None
+
     def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
+        self._awaiting_want.pop(req.rid, None)
         sender = self._senders.pop(req.rid, None)
         if sender is not None:
             if sender.ready_msg is None and not sender.poll().terminal:
@@ -147,5 +210,6 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
 
     def pd_state(self) -> dict[str, Any]:
         return {**super().pd_state(), "pd_inflight_senders": len(self._inflight),
-                "pd_registered_kv": self.kv_manager.num_registered()}
+                "pd_registered_kv": self.kv_manager.num_registered(),
+                "pd_skipped_pages": self.num_skipped_pages}
 

@@ -169,7 +169,10 @@ class Follower:
         if fut is None or not fut.done() or fut.exception() is not None:
             raise RuntimeError(f"room {room}: the leader scatters KV this process has not "
                                "pulled; this process's shards of the request are missing")
-        self.runner.kv_caches = insert_kv_chunks(self.runner.kv_caches, fut.result(),
+        packed, skip = fut.result(), int(msg.get("skip", 0))
+        if skip:  # pages D's prefix cache already holds: pulled, not written
+            packed = [a[skip:] for a in packed]
+        self.runner.kv_caches = insert_kv_chunks(self.runner.kv_caches, packed,
                                                  msg["page_ids"], impl=self.kernels_impl)
 
     def _op_d_drop(self, msg: dict[str, Any]) -> None:

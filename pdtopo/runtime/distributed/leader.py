@@ -131,13 +131,16 @@ class LeaderMirror:
                         "num_pages": int(num_pages), "timeout_s": float(timeout_s)})
         return group.future
 
-    def scatter(self, room: int | None, page_ids: list[int]) -> None:
+    def scatter(self, room: int | None, page_ids: list[int], skip: int = 0) -> None:
+        """Followers scatter their pulled shards of `room` into `page_ids`, after dropping the
+        `skip` leading pages (pages P sent that D's prefix cache already holds)."""
         if room is None:
             raise KVTransferError("multi-process scatter needs the room (followers key their "
                                   "pulled shards by room)", status=500)
         with self._lock:
             self._groups.pop(room, None)
-        self.broadcast({"op": "d_scatter", "room": room, "page_ids": list(page_ids)})
+        self.broadcast({"op": "d_scatter", "room": room, "page_ids": list(page_ids),
+                        "skip": int(skip)})
 
     def drop(self, room: int) -> None:
         with self._lock:
