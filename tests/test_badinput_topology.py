@@ -95,12 +95,14 @@ def test_run_dir_that_holds_a_deployment_is_refused(tmp_path, capsys):
 # ---------------------------------------------------------------------------- per-role engine
 
 def test_per_role_overrides_that_agree_are_planned_and_applied(tmp_path):
-    over = ["+topology.prefill.engine.page_size=32", "+topology.decode.engine.page_size=32"]
+    over = ["+topology.prefill.engine.page_size=32", "+topology.decode.engine.page_size=32",
+            "topology.prefill.engine.num_pages=300"]  # pool sizes may differ per role
     run = tmp_path / "run"
     assert main(["render", f"hydra.run.dir={run}", *over]) == 0
     p = load_process_context(run, "prefill_0")
     d = load_process_context(run, "decode_0")
     assert p.cfg.engine.page_size == d.cfg.engine.page_size == 32
+    assert (p.settings.engine.num_pages, d.settings.engine.num_pages) == (300, 512)
     assert p.cfg.engine.kv_dtype == "float32"  # untouched keys keep engine.*
     boot = load_process_context(run, "bootstrap")
     assert boot.cfg.engine.page_size == 16  # no engine override for the bootstrap role

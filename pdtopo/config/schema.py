@@ -73,10 +73,13 @@ class PortBasesSchema:
 
 @dataclass
 class RoleEngineSchema:
-    """Per-role engine values that P and D must agree on (null = use `engine.*`)."""
+    """Per-role engine values (null = use `engine.*`): page_size and kv_dtype, which P and D
+    must agree on, and the pool size num_pages, which may differ (e.g. a P pool sized for its
+    prefix cache, a D pool for its decode batch)."""
 
     page_size: int | None = None
     kv_dtype: str | None = None
+    num_pages: int | None = None
 
 
 @dataclass

@@ -1,0 +1,191 @@
+"""Prefix reuse on the multiturn workload: what the prefix cache buys, colocated and in PD.
+
+One command, one run: `python benchmarks/bench_prefix_cache.py [--conversations C] [--turns T]`.
+Every configuration serves the same seeded multiturn workload (`bench.workload=multiturn`: C
+conversations of T turns, each with its own ~1,000-token context, a turn's prompt being the
+conversation so far plus a new 32-token user message, 16-token answers, all conversations at
+once). Pairs, each baseline measured in the same run:
+
+1. colocated, engine.prefix_cache false vs true;
+2. 1P1D (Rust router), false vs true;
+3. 2P2D, proxy.policy round_robin vs cache_aware, the prefill pools sized to hold about half
+   of the conversations (the case cache-aware routing exists for: spread over both P's, every
+   conversation needs room on both and the caches thrash; kept on one P, each P needs half);
+4. 1P1D, disaggregation.decode_prefix_cache false vs true (D's own cache: P sends only the
+   pages D lacks).
+
+It prints per configuration: TTFT p50/p99 per turn, the cached-token ratio (meta_info), prompt
+tokens P (or the colocated server) computed, KV bytes D pulled per request and, for D's cache,
+the ratio of pulled bytes to the bytes of each turn's new pages; then the ratios and goals:
+turn >= 3 TTFT p50 cached <= 0.35x uncached (colocated) and <= 0.5x (1P1D); 2P2D cache_aware hit
+ratio >= 1.8x round_robin; with D's cache, pulled bytes <= 1.2x the new pages' bytes.
+
+The model is a random-initialised Llama of 8 layers and hidden size 256 (bigger than the test
+model) so that a 1,000-token prefill costs what it would relative to the fixed HTTP and router
+overheads on this CPU; the greedy tokens do not matter here, only the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from pdtopo.bench.deployments import (
+    ColocatedProcess,
+    DetachedDeployment,
+    free_port_block,
+    port_overrides,
+)
+from pdtopo.bench.loadgen import run_conversations, run_load
+from pdtopo.bench.settings import BenchSettings
+from pdtopo.bench.stats import percentile, summarize, ttft
+from pdtopo.bench.workload import multiturn, synthetic
+
+PAGE = 16
+MODEL = ["model.hidden_size=256", "model.intermediate_size=512", "model.num_layers=8",
+         "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32"]
+ENGINE = ["engine.max_model_len=2048", "engine.max_prefill_tokens=2048",
+          "engine.num_pages=1024", "engine.max_running_requests=16"]
+PAGE_BYTES = 2 * 8 * 4 * 32 * PAGE * 4  # K and V, layers, kv heads, head_dim, tokens, float32
+
+
+def settings(args) -> BenchSettings:
+    return BenchSettings.from_config({
+        "workload": "multiturn", "output_len": 16, "warmup_requests": 0, "progress": False,
+        "max_concurrency": args.conversations, "timeout_s": 300, "seed": 1,
+        "multiturn": {"system_prompts": args.conversations, "system_len": args.context,
+                      "conversations": args.conversations, "turns": args.turns,
+                      "user_len": 32}})
+
+
+def state(url: str) -> dict:
+    return httpx.get(f"{url}/pdtopo/state", timeout=10).json()
+
+
+def totals(urls: list[str], key: str) -> int:
+    return sum(int(state(u).get(key, 0)) for u in urls)
+
+
+def warm(url: str) -> None:
+    """A few requests outside the measurement (first-use compilations of new shapes)."""
+    s = BenchSettings.from_config({"num_requests": 4, "input_len": 300, "output_len": 4,
+                                   "progress": False, "max_concurrency": 2, "seed": 99})
+    run_load(url, synthetic(s), s, progress=False)
+
+
+def measure(name: str, url: str, args, prefill_urls: list[str], decode_urls: list[str]) -> dict:
+    warm(url)
+    for u in prefill_urls + decode_urls:  # start every configuration with empty caches
+        httpx.post(f"{u}/flush_cache", timeout=30)
+    s = settings(args)
+    computed0 = totals(prefill_urls, "num_prefill_tokens")
+    pulled0 = totals(decode_urls, "pd_pulled_bytes")
+    results, duration = run_conversations(url, multiturn(s), s, progress=False)
+    st = summarize(results, duration, s.slo)
+    if st["requests"]["failed"]:
+        raise RuntimeError(f"{name}: {st['requests']['failed']} requests failed: {st['errors']} "
+                           f"{st['error_examples']}")
+    new_bytes = 0
+    for i, r in enumerate(results):  # the turn's pages whose KV the conversation lacked
+        turn = i % args.turns
+        known = 0
+        if turn:
+            prev = results[i - 1]
+            known = (prev.input_len + prev.output_tokens - 1) // PAGE
+        new_bytes += (-(-r.input_len // PAGE) - known) * PAGE_BYTES
+    pulled = totals(decode_urls, "pd_pulled_bytes") - pulled0
+    out = {"name": name, "stats": st,
+           "ttft_ms": [(i % args.turns + 1, ttft(r) * 1e3) for i, r in enumerate(results)],
+           "computed": totals(prefill_urls, "num_prefill_tokens")
+           - computed0, "pulled_per_req": pulled / len(results) if decode_urls else None,
+           "pulled_vs_new": pulled / new_bytes if decode_urls else None}
+    show(out, args.turns)
+    return out
+
+
+def show(r: dict, turns: int) -> None:
+    st = r["stats"]
+    per_turn = "  ".join(
+        f"t{t}: {st['by_tag'][f'turn{t}']['ttft_ms']['p50']:.0f}/"
+        f"{st['by_tag'][f'turn{t}']['ttft_ms']['p99']:.0f}" for t in range(1, turns + 1))
+    pulled = "" if r["pulled_per_req"] is None else (
+        f"  pulled/req {r['pulled_per_req'] / 1e6:.2f} MB ({r['pulled_vs_new']:.2f}x new pages)")
+    print(f"{r['name']:<28} TTFT p50/p99 ms {per_turn}  hit {st['cached_token_ratio']:.2f}  "
+          f"P computed {r['computed']:,} tok{pulled}", flush=True)
+
+
+def turn_p50(r: dict, first: int) -> float:
+    """TTFT p50 (ms) over every request of turn `first` or later."""
+    return percentile([ms for turn, ms in r["ttft_ms"] if turn >= first], 50)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--context", type=int, default=1000, help="tokens of each conversation's "
+                    "context (its system prompt)")
+    args = ap.parse_args()
+    print(f"multiturn: {args.conversations} conversations x {args.turns} turns, "
+          f"{args.context}-token contexts, 32-token messages, 16-token answers")
+    res: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="pdtopo-bench-prefix-") as tmp:
+        for cache in ("false", "true"):
+            colo = ColocatedProcess(free_port_block(1), [*MODEL, *ENGINE,
+                                                         f"engine.prefix_cache={cache}"],
+                                    log_path=Path(tmp) / f"colocated-{cache}.log")
+            try:
+                colo.start()
+                res[f"colocated cache={cache}"] = measure(
+                    f"colocated cache={cache}", colo.url, args, [colo.url], [])
+            finally:
+                colo.stop()
+
+        def pd(name: str, extra: list[str]) -> None:
+            dep = DetachedDeployment(Path(tmp) / name.replace(" ", "_"),
+                                     [*MODEL, *ENGINE, *extra,
+                                      *port_overrides(free_port_block(40))])
+            t0 = time.perf_counter()
+            try:
+                dep.launch()
+                procs = dep.plan["processes"]
+                urls = {role: [f"http://{p['address']}:{p['ports']['http']}" for p in procs
+                               if p["role"] == role] for role in ("prefill", "decode")}
+                print(f"  ({name}: launched and healthy in {time.perf_counter() - t0:.0f} s)")
+                res[name] = measure(name, dep.proxy_url, args, urls["prefill"], urls["decode"])
+            finally:
+                dep.stop()
+
+        pd("1P1D cache=false", ["engine.prefix_cache=false"])
+        pd("1P1D cache=true", [])
+        half = args.conversations // 2 * (-(-(args.context + args.turns * 48) // PAGE)) + 64
+        for policy in ("round_robin", "cache_aware"):
+            pd(f"2P2D {policy}", ["topology=2p2d_cpu", f"proxy.policy={policy}",
+                                  f"topology.prefill.engine.num_pages={half}"])
+        pd("1P1D decode_cache=true", ["disaggregation.decode_prefix_cache=true"])
+
+    print("\nratios (baseline measured in this run):")
+    for label, off, on, goal in (("colocated", "colocated cache=false", "colocated cache=true",
+                                  0.35),
+                                 ("1P1D", "1P1D cache=false", "1P1D cache=true", 0.5)):
+        ratio = turn_p50(res[on], 3) / turn_p50(res[off], 3)
+        print(f"  {label:<10} turn>=3 TTFT p50 cache on / off: {ratio:.2f}x "
+              f"(goal <= {goal}: {'met' if ratio <= goal else 'NOT met'})")
+    rr = res["2P2D round_robin"]["stats"]["cached_token_ratio"]
+    ca = res["2P2D cache_aware"]["stats"]["cached_token_ratio"]
+    ratio = ca / rr if rr else float("inf")
+    print(f"  2P2D hit ratio cache_aware / round_robin: {ca:.2f} / {rr:.2f} = {ratio:.2f}x "
+          f"(goal >= 1.8: {'met' if ratio >= 1.8 else 'NOT met'})")
+    off, on = res["1P1D cache=true"], res["1P1D decode_cache=true"]
+    print(f"  1P1D KV pulled per request, D cache on / off: "
+          f"{on['pulled_per_req'] / off['pulled_per_req']:.2f}x; pulled / new pages' bytes with "
+          f"D's cache: {on['pulled_vs_new']:.2f}x (goal <= 1.2: "
+          f"{'met' if on['pulled_vs_new'] <= 1.2 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
