@@ -243,7 +243,9 @@ def at_baseline(state: dict) -> bool:
 
 
 def leaked_pages(states: Mapping[str, dict]) -> int:
-    return sum(s["total_pages"] - s["free_pages"] for s in states.values())
+    """Pages neither free nor held by a prefix cache, over all servers."""
+    return sum(s["total_pages"] - s["free_pages"] - s.get("tree_pages", 0)
+               for s in states.values())
 
 
 def wait_pools_baseline(servers: Deployment | Mapping[str, str] | str, timeout: float = 10.0,
