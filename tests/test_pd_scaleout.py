@@ -1,7 +1,8 @@
 """PD scale-out with real processes: 2P2D behind the Rust router under 32 concurrent requests,
 and a tensor-parallel 1P1D (2 emulated devices per instance, KV sharded over kv heads). Both
 must produce exactly the colocated server's greedy tokens; all four 2P2D servers must serve, and
-sending the prompts again hits P's prefix caches (D reports the cached tokens) with the same
+sending the prompts again hits P's prefix caches (D reports the cached tokens) and, with
+`disaggregation.decode_prefix_cache`, D's own caches (P skips the pages D holds), with the same
 tokens."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tests.e2e_support import (
     colocated_reference,
     deployment_overrides,
     generate,
+    pool_state,
     port_block,
     wait_pools_baseline,
 )
@@ -51,7 +53,8 @@ def _counter(url, name):
 
 
 def test_2p2d_32_concurrent_requests(tmp_path_factory, reference):
-    dep = _launch(tmp_path_factory, "2p2d", ["topology=2p2d_cpu"])
+    dep = _launch(tmp_path_factory, "2p2d", ["topology=2p2d_cpu",
+                                             "disaggregation.decode_prefix_cache=true"])
     try:
         assert len(dep.names("prefill")) == 2 and len(dep.names("decode")) == 2
         with cf.ThreadPoolExecutor(32) as ex:
@@ -70,6 +73,11 @@ def test_2p2d_32_concurrent_requests(tmp_path_factory, reference):
         assert sum(_counter(dep.url(n), "pdtopo:prompt_tokens_cached_total")
                    for n in dep.names("prefill")) == sum(cached) + sum(
             o["meta_info"]["cached_tokens"] for o in outs)
+        # D's own caches (decode_prefix_cache) held some of the second round's pages: P
+        # skipped exactly those
+        d_held = sum(pool_state(dep.url(n))["pd_decode_cached_pages"] for n in dep.names("decode"))
+        p_skipped = sum(pool_state(dep.url(n))["pd_skipped_pages"] for n in dep.names("prefill"))
+        assert d_held == p_skipped > 0
         for name in dep.names("prefill"):
             assert _counter(dep.url(name), "sglang:prompt_tokens_total") > 0, name
         for name in dep.names("decode"):
