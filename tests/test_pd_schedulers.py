@@ -197,3 +197,72 @@ def test_decode_admits_no_more_than_max_running(cluster):
     assert results == refs
     assert 0 < peak[0] <= 8, peak[0]
     _baseline(d)
+
+
+def test_a_room_d_gives_up_during_prefill_fails_alone(tmp_path):
+    """D fails a room (its client left) while P is prefilling it: P ends that request with
+    D's reason and the other requests of the same prefill batch go on (no engine error)."""
+    from pdtopo.runtime.disagg import messages as m
+    from pdtopo.runtime.disagg.side_channel import SideChannel
+
+    cfg = compose_config(OVERRIDES)
+    p = make_scheduler(_ctx(cfg, "prefill"), ModelRunner(cfg.model, cfg.engine, build_mesh(1)),
+                       load_tokenizer(cfg.model))
+    fake_d = SideChannel(bind=None, max_bytes=65536, name="fake-d")
+    try:
+        endpoint = f"127.0.0.1:{p.kv_manager.channel.port}"
+        gone, kept = _req(list(range(3, 40)), 1, 5001, p), _req(list(range(3, 30)), 1, 5002, p)
+        for r in (gone, kept):
+            p.submit(r)
+            fake_d.send_to(endpoint, m.Want(room=r.bootstrap_room))
+        p.drain_inbox()  # both senders exist, nothing prefilled yet
+        fake_d.send_to(endpoint, m.Failed(room=5001, reason="client disconnected", status=499))
+        deadline = time.monotonic() + 10
+        while p._senders[gone.rid].poll().name != "Failed":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert gone in p.waiting and kept in p.waiting
+        batch = p.schedule()  # prefill both, the failed room's request included
+        assert batch.reqs == [gone, kept]
+        p.run_batch(batch)
+        for _ in range(20):
+            p.step()
+        _, out_gone = gone.sink.collect(5)
+        _, out_kept = kept.sink.collect(5)
+        assert out_gone.finish_reason["type"] == "abort"
+        assert "client disconnected" in out_gone.finish_reason["message"]
+        assert out_kept.finish_reason == {"type": "length", "length": 1}
+        ready = fake_d.events.get(timeout=10).msg
+        assert isinstance(ready, m.Ready) and ready.room == 5002
+        fake_d.send_to(endpoint, m.Failed(room=5002, reason="this test D pulls nothing"))
+        for _ in range(50):
+            p.step()
+        _baseline(p)
+    finally:
+        fake_d.close()
+        p.kv_manager.close()
+
+
+def test_decode_rejection_reaches_prefill_quickly(cluster):
+    """A request D refuses (its pool is smaller than P's: per-role num_pages) fails at P too,
+    at once: P drops the room instead of keeping its KV for a pull that never comes."""
+    cfg = compose_config([*OVERRIDES, "engine.num_pages=8"])
+    d = make_scheduler(_ctx(cfg, "decode"), ModelRunner(cfg.model, cfg.engine, build_mesh(1)),
+                       load_tokenizer(cfg.model))
+    p = cluster["prefill"]
+    d.start()
+    try:
+        prompt = list(range(5, 105))  # 13 pages of 8 with its answer: more than D's 7
+        rp, rd = _req(prompt, 4, 6001, p), _req(prompt, 4, 6001, p)
+        d.submit(rd)
+        _, d_out = rd.sink.collect(10)
+        assert d_out.finish_reason["status_code"] == 400, d_out.finish_reason
+        t0 = time.monotonic()
+        p.submit(rp)
+        _, p_out = rp.sink.collect(10)
+        assert p_out.finish_reason["type"] == "abort"
+        assert "D refused the request" in p_out.finish_reason["message"]
+        assert time.monotonic() - t0 < 5  # not sender_expiry_s (15 s here)
+        _baseline(p)
+    finally:
+        d.stop()

@@ -101,9 +101,10 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 "this is a decode server: requests need bootstrap_host, bootstrap_port and "
                 "bootstrap_room (send them through the PD proxy)", 400))
             return
-        if self.reject_if_invalid(req):
-            return
         addr = f"{req.bootstrap_host}:{int(req.bootstrap_port)}"
+        if self.reject_if_invalid(req):
+            self._tell_prefill(req, addr)
+            return
         held, digest = self._match_decode_prefix(req)
         try:
             receiver = self.kv_manager.create_receiver(int(req.bootstrap_room), addr,
@@ -115,6 +116,17 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         pending = PendingTransfer(req, receiver, addr)
         self._pending[req.rid] = pending
         self.prealloc_queue.append(pending)
+
+    def _tell_prefill(self, req: Req, addr: str) -> None:
+        """D refused the request before asking for its KV: fail the room at P too, so P stops
+        (or never starts) prefilling it and frees what it holds at once."""
+        reason = req.finish_reason or {}
+        try:
+            self.kv_manager.refuse_room(int(req.bootstrap_room), addr,
+                                        f"D refused the request: {reason.get('message')}",
+                                        reason.get("status_code", 400))
+        except (KVTransferError, ValueError) as exc:
+            log.warning("room %s: could not tell P at %s: %s", req.bootstrap_room, addr, exc)
 
     def _match_decode_prefix(self, req: Req) -> tuple[int, str | None]:
         """With D's own prefix cache: hold the prompt's longest cached prefix (full pages, never

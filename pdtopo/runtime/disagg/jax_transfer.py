@@ -418,6 +418,18 @@ class JaxTransferKVManager(BaseKVManager):
         self._receivers[room] = r
         return r
 
+    def refuse_room(self, room: int, bootstrap_addr: str, reason: str,
+                    status: int | None = 400) -> None:
+        """D side, without a receiver: claim the room at P (`want`) and fail it (`failed`), so
+        that P ends the room's request instead of prefilling it for nobody."""
+        room = self._check_room(room)
+        if room in self._receivers:
+            raise KVTransferError(f"room {room} has a receiver: abort it instead")
+        peer = self.channel.send_to(_check_endpoint(bootstrap_addr, "bootstrap_host:"
+                                                    "bootstrap_port"), m.Want(room=room))
+        self.channel.send(peer, m.Failed(room=room, reason=reason, status=status))
+        self.channel.forget(room)
+
     # --------------------------------------------------------------- driving
     def progress(self) -> None:
         """Drain side-channel events and expiries; advance receivers. Never blocks."""

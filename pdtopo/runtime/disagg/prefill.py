@@ -99,6 +99,18 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             elif state != KVPoll.Success:
                 still.append(sender)
         self._inflight = still
+        for rid, sender in list(self._senders.items()):
+            # D gave up on a room whose request P has not sent yet (client gone at D, D's
+            # timeout or rejection): stop spending prefill on it
+            if sender.ready_msg is None and sender.poll() == KVPoll.Failed:
+                req = self.reqs.get(rid)
+                if req is not None and not req.finished:
+                    self._fail_request(req, sender)
+
+    def _fail_request(self, req: Req, sender) -> None:
+        exc = sender.failure_exception()
+        self.finish_request(req, FinishReason.abort(
+            f"KV transfer failed: {exc}", getattr(exc, "status", None) or 502))
 
     # ------------------------------------------------------------------ requests
     def handle_new_request(self, req: Req) -> None:
@@ -147,11 +159,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             if req is None or sender is None:
                 self._awaiting_want.pop(rid, None)
                 continue
-            state = sender.poll()
-            if state == KVPoll.Failed:
-                exc = sender.failure_exception()
-                self.finish_request(req, FinishReason.abort(
-                    f"KV transfer failed: {exc}", getattr(exc, "status", None) or 502))
+            if sender.poll() == KVPoll.Failed:
+                self._fail_request(req, sender)
             elif sender.peer is not None or now >= deadline:
                 del self._awaiting_want[rid]
                 self._send_kv(req, sender)
@@ -159,6 +168,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
     def _send_kv(self, req: Req, sender) -> None:
         """Register the prompt's pages (those D lacks) for D's pull, announce them, and finish
         P's side of the request with its one token."""
+        if sender.poll() == KVPoll.Failed:  # D gave up while P was prefilling
+            self._fail_request(req, sender)
+            return
         prompt_len = len(req.prompt_ids)
         skip = self._pages_decode_holds(req, sender)
         if skip is None:
