@@ -3,11 +3,15 @@
 A request reaching D carries `bootstrap_host:bootstrap_port` (the P instance's side channel)
 and `bootstrap_room`. Per request, on the scheduler thread, never blocking:
 
-    handle_new_request -> validate like any request; create a KV receiver (sends `want` to P at
-                          once) and queue the request for preallocation
+    handle_new_request -> validate like any request (a refused request fails the room at P
+                          too); with D's own prefix cache (decode_prefix_cache) hold the
+                          prompt's cached pages; create a KV receiver (sends `want` to P at
+                          once, with the count and hash of those pages) and queue the request
+                          for preallocation
     prealloc queue     -> once the peer directory has checked P's registration against ours
-                          (page size, dtype, model, KV layout) and pages for the prompt's KV are
-                          free, give them to the receiver (`init`) -> transfer queue
+                          (page size, dtype, model, KV layout) and pages for the rest of the
+                          prompt's KV are free, give them to the receiver (`init`) -> transfer
+                          queue
     transfer queue     -> `receiver.poll()`: on P's `ready` the pull runs on the engine's
                           pull_executor; when it completes, poll() scatters the packed pages into
                           the pool (this thread owns it) and tells P `done` -> ready queue

@@ -5,12 +5,15 @@ Data flow. HTTP handlers (asyncio) build validated `Req`s and call `submit(req)`
 both only put a message into the thread-safe `inbox`. The scheduler thread runs `event_loop()`,
 whose iteration is `step()`:
 
-    drain_inbox()            -> handle_new_request(req) / handle_abort(rid)
+    drain_inbox()            -> handle_new_request(req) / handle_abort(rid) / flush_cache
     schedule()               -> schedule_prefill() (waiting queue, token budget
-                                engine.max_prefill_tokens, admission by free pages, chunked
-                                when a prompt exceeds the budget), else schedule_decode()
-                                (every running request, growing page tables, preempting
-                                the newest requests when pages run out)
+                                engine.max_prefill_tokens, a new request starts after its
+                                longest cached prefix (match_prefix), admission by free
+                                pages, chunked when a prompt exceeds the budget), else
+                                schedule_decode() (every running request, growing page
+                                tables, preempting the newest requests when pages run out);
+                                the prefix cache gives back unreferenced pages first
+                                (ensure_free)
     run_batch(batch)         -> runner.forward(chunks), Sampler, then per request
                                 on_prefill_finished(req, token) or process_new_token(req, token)
     publish_stats()          -> counters for /pdtopo/state, /get_load and Prometheus
@@ -27,11 +30,15 @@ Extension points for the PD mixins (override, call super() where it makes sense)
   `req.num_computed == len(req.prompt_ids)`) and whose first output token is known into the
   decode batch. D's path: call `process_new_token(req, first_token)` (it emits the token and
   checks stop conditions; it returns True if the request finished) and then `add_to_running`.
-- `free_request(req)`: return a request's pages and drop it from the queues (P may defer).
+- `free_request(req)`: drop a request from the queues and release its pages (`release_kv`:
+  its full computed pages go into the prefix cache first when `keeps_kv(req)`).
+- `make_prefix_cache(eng)`: the engine's `PrefixCache` or None (D keeps none by default).
 - `finish_request(req, reason)`: finish with a `FinishReason` dict, free, emit the final output.
 - `has_work()`, `schedule()`, `step()`, `event_loop()`, `idle_wait()`: the loop itself; mixins
   with their own queues poll them in `step()` and report pending work in `has_work()`.
-Helpers: `alloc_pages(n)`, `pages_for(num_tokens)`, `make_chunk(...)`, `emit(req)`.
+Helpers: `alloc_pages(n)`, `ensure_free(n)`, `pages_for(num_tokens)`, `make_chunk(...)`,
+`emit(req)`, `page_problems()` (the allocator's references against the cache and every live
+request's page table; docs/prefix-cache.md).
 Requests carry `bootstrap_host/port/room` untouched for the mixins.
 """
 
