@@ -164,7 +164,8 @@ def test_prefill_killed_mid_flight(dep):
 
 def test_decode_killed_mid_flight(dep):
     """kill -9 D while requests decode / wait for KV (and P holds requests of its own): the
-    client gets an error, P releases the packed KV of those rooms on expiry, D comes back and
+    client gets an error, P releases the packed KV of the rooms the dead D had asked for when
+    its connection closes (and of rooms no D ever asked for on expiry), D comes back and
     service resumes."""
     p_url, d_url = dep.url("prefill_0"), dep.url("decode_0")
     bg = Background([lambda i=i: post_generate(dep.proxy_url, long_request(i, 64))
@@ -185,7 +186,8 @@ def test_decode_killed_mid_flight(dep):
     # still queued at P sees its error after P's backlog, not within kv_timeout: bounded, no hang.
     assert_clean_errors(outs, t_kill, deadline_s=60)
 
-    # P's packed KV for D's rooms is released by the sender expiry (D never pulls or says done).
+    # P's packed KV for D's rooms is released when D's side-channel connection closes (rooms
+    # that no D asked for, e.g. retries while D was down, by the sender expiry).
     held = []
 
     def released() -> bool:

@@ -198,6 +198,36 @@ def test_dead_prefill_fails_the_rooms_expected_from_it_at_once():
             ch.close()
 
 
+def test_dead_decode_fails_the_rooms_it_owns_at_p_at_once():
+    """D's process dies (its sockets close): P gets a local `failed` (status 503) for every
+    room that D owns, so it frees their KV now rather than at sender_expiry_s; rooms P already
+    forgot and rooms of another D are not touched."""
+    p = SideChannel(bind="127.0.0.1:0", name="P")
+    d1, d2 = SideChannel(name="D1"), SideChannel(name="D2")
+    try:
+        for room in (1, 2, 3):
+            d1.send_to(p.address, m.Want(room=room))
+        d2.send_to(p.address, m.Want(room=9))
+        wants = [_get(p.events) for _ in range(4)]
+        owner2 = next(e.peer for e in wants if e.msg.room == 9)
+        p.forget(3)
+        _until(lambda: p.stats().get("recv_want", 0) == 4)
+        d1.close()  # what kill -9 does to D's sockets
+        got = sorted((_get(p.events, timeout=5) for _ in range(2)), key=lambda e: e.msg.room)
+        assert [(e.msg.room, e.msg.status) for e in got] == [(1, 503), (2, 503)]
+        assert all(isinstance(e.msg, m.Failed) and "decode server" in e.msg.reason
+                   for e in got)
+        assert p.stats()["decode_disconnects"] == 1
+        assert p.stats()["rooms_failed_on_decode_disconnect"] == 2
+        time.sleep(0.3)
+        assert p.events.empty()  # room 3 (forgotten) and room 9 (other D): nothing
+        p.send(owner2, m.Failed(room=9, reason="still here"))
+        assert _get(d2.events).msg.reason == "still here"  # the other D's channel works
+    finally:
+        for ch in (p, d2):
+            ch.close()
+
+
 def _get_owner(p: SideChannel, d: SideChannel):
     """The router peer of D as P sees it (P learned it from D's want)."""
     d.send_to(p.address, m.Want(room=10))

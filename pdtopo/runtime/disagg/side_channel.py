@@ -22,6 +22,11 @@ A P that dies (kill -9, crash) closes its TCP connections at once: each DEALER's
 reports the disconnect, and every room still expected from that endpoint gets a local
 `failed(room, status=503)` event, as if P had sent it, so D fails those requests now instead of
 at `disaggregation.kv_timeout_s` (counted as `peer_disconnects` / `rooms_failed_on_disconnect`).
+The same holds the other way: the ROUTER's socket monitor reports a D whose connection closed;
+the ROUTER knows which connection each D identity's messages came from (the frames' source
+descriptor), and every room that D owns gets a local `failed(room, status=503)` event, as if D
+had sent it, so P drops that room's KV now instead of at `disaggregation.sender_expiry_s`
+(counted as `decode_disconnects` / `rooms_failed_on_decode_disconnect`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,14 @@ _TO_P = ("want", "done", "failed")   # types a ROUTER accepts
 _TO_D = ("ready", "failed")          # types a DEALER accepts
 PEER_GONE_STATUS = 503  # a retryable status: the router may send the request elsewhere
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+def _source_fd(frame: zmq.Frame) -> int | None:
+    """The descriptor of the connection a received frame came in on (None if unknown)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
 
 
 class Peer(NamedTuple):
@@ -78,6 +91,8 @@ class SideChannel:
         self._router: zmq.Socket | None = None
         self._dealers: dict[str, zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, str] = {}   # DEALER monitor -> P endpoint
+        self._router_monitor: zmq.Socket | None = None
+        self._peer_fds: dict[bytes, int] = {}        # ROUTER: D identity -> its connection fd
         self._owners: dict[int, bytes] = {}      # ROUTER: room -> D identity
         self._expected: dict[int, str] = {}      # DEALER: room -> P endpoint asked
         self._stats: Counter[str] = Counter()
@@ -95,6 +110,7 @@ class SideChannel:
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._router.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
+            self._router_monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             if int(port) == 0:
                 self.port = self._router.bind_to_random_port(f"tcp://{host}")
             else:
@@ -177,6 +193,33 @@ class SideChannel:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._peer_gone(endpoint)
 
+    def _recv_router_monitor(self) -> None:
+        """The ROUTER's connection events; a closed connection fails its D's rooms."""
+        assert self._router_monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(self._router_monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                fd = event["value"]
+                for identity in [i for i, f in self._peer_fds.items() if f == fd]:
+                    del self._peer_fds[identity]
+                    self._decode_gone(identity)
+
+    def _decode_gone(self, identity: bytes) -> None:
+        rooms = sorted(r for r, o in self._owners.items() if o == identity)
+        self._count("decode_disconnects")
+        if rooms:
+            log.warning("%s: decode peer %r disconnected; failing its rooms %s", self.name,
+                        identity, rooms)
+        for room in rooms:
+            self._count("rooms_failed_on_decode_disconnect")
+            self.events.put(SideChannelEvent(Peer("router", identity), m.Failed(
+                room=room, status=PEER_GONE_STATUS,
+                reason="the decode server that asked for this KV disconnected (it died or "
+                       "restarted); nobody will pull it")))
+
     def _peer_gone(self, endpoint: str) -> None:
         rooms = sorted(r for r, e in self._expected.items() if e == endpoint)
         self._count("peer_disconnects")
@@ -248,9 +291,13 @@ class SideChannel:
         assert self._router is not None
         while True:
             try:
-                frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
+                parts = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [p.bytes for p in parts]
+            fd = _source_fd(parts[-1])
+            if fd is not None:
+                self._peer_fds[frames[0]] = fd
             peer = Peer("router", frames[0])
             body = [f for f in frames[1:] if f]
             if len(body) != 1:
@@ -293,6 +340,7 @@ class SideChannel:
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         if self._router is not None:
             self._poller.register(self._router, zmq.POLLIN)
+            self._poller.register(self._router_monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(self._poller.poll(200))
@@ -301,6 +349,8 @@ class SideChannel:
                 self._drain_outbox()
                 if self._router is not None and self._router in ready:
                     self._recv_router()
+                if self._router_monitor is not None and self._router_monitor in ready:
+                    self._recv_router_monitor()
                 for endpoint, sock in list(self._dealers.items()):
                     if sock in ready:
                         self._recv_dealer(endpoint, sock)
@@ -323,6 +373,8 @@ class SideChannel:
         self._monitors.clear()
         self._dealers.clear()
         if self._router is not None:
+            self._router.disable_monitor()
+            self._router_monitor.close(linger=0)
             self._router.close(linger=0)
 
     @property
