@@ -141,6 +141,10 @@ def test_preemption_keeps_shared_pages_and_recompute_reuses_the_victims_own_page
     results = serve(s, reqs)
     assert s.num_preemptions > 0
     assert [r[0] for r in results] == [reference(r.prompt_ids, 14) for r in reqs]
+    # what a client is told was cached stays within its prompt (a recompute after preemption
+    # may reuse the request's own output pages too)
+    assert all(last.cached_tokens <= len(r.prompt_ids) for r, (_, last) in zip(
+        reqs, results, strict=True))
     assert_baseline(s)
 
 

@@ -366,7 +366,8 @@ class Scheduler:
         pages = self.prefix_cache.match(req.all_ids, (req.seq_len - 1) // self.page_size)
         req.page_ids = pages
         req.num_computed = len(pages) * self.page_size
-        req.cached_tokens = req.num_computed
+        if not req.num_preemptions:  # what the client sees: the prompt's hit on arrival
+            req.cached_tokens = min(req.num_computed, len(req.prompt_ids))
 
     def keeps_kv(self, req: Req) -> bool:
         """Whether a request's computed pages go into the prefix cache when it lets them go:
@@ -455,9 +456,9 @@ class Scheduler:
                         self.release_kv(req, keep=False)
                     break  # FCFS: wait for pages
                 req.page_ids.extend(self.alloc_pages(need))
-            if fresh and req.cached_tokens:
-                self.num_cached_tokens += req.cached_tokens
-                self.metrics.cached_tokens.inc(req.cached_tokens)
+            if fresh and req.num_computed:  # tokens served by the cache (also on recompute)
+                self.num_cached_tokens += req.num_computed
+                self.metrics.cached_tokens.inc(req.num_computed)
             remaining = req.seq_len - req.num_computed
             n = min(remaining, budget)
             tokens = req.all_ids[req.num_computed:req.num_computed + n]
