@@ -28,6 +28,7 @@ overheads on this CPU; the greedy tokens do not matter here, only the work.
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -40,10 +41,10 @@ from pdtopo.bench.deployments import (
     free_port_block,
     port_overrides,
 )
-from pdtopo.bench.loadgen import run_conversations, run_load
+from pdtopo.bench.loadgen import run_conversations
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.stats import percentile, summarize, ttft
-from pdtopo.bench.workload import multiturn, synthetic
+from pdtopo.bench.workload import multiturn
 
 PAGE = 16
 MODEL = ["model.hidden_size=256", "model.intermediate_size=512", "model.num_layers=8",
@@ -70,15 +71,17 @@ def totals(urls: list[str], key: str) -> int:
     return sum(int(state(u).get(key, 0)) for u in urls)
 
 
-def warm(url: str) -> None:
-    """A few requests outside the measurement (first-use compilations of new shapes)."""
-    s = BenchSettings.from_config({"num_requests": 4, "input_len": 300, "output_len": 4,
-                                   "progress": False, "max_concurrency": 2, "seed": 99})
-    run_load(url, synthetic(s), s, progress=False)
+def warm(url: str, args) -> None:
+    """The same workload with other tokens, outside the measurement: every step shape the
+    measured run uses is compiled by then (a first-use XLA compilation stalls the engine for
+    seconds on this CPU and would land in one turn's TTFT)."""
+    s = settings(args)
+    s.seed += 1000
+    run_conversations(url, multiturn(s), s, progress=False)
 
 
 def measure(name: str, url: str, args, prefill_urls: list[str], decode_urls: list[str]) -> dict:
-    warm(url)
+    warm(url, args)
     for u in prefill_urls + decode_urls:  # start every configuration with empty caches
         httpx.post(f"{u}/flush_cache", timeout=30)
     s = settings(args)
@@ -146,7 +149,7 @@ def main() -> None:
                 colo.stop()
 
         def pd(name: str, extra: list[str]) -> None:
-            dep = DetachedDeployment(Path(tmp) / name.replace(" ", "_"),
+            dep = DetachedDeployment(Path(tmp) / re.sub(r"[^A-Za-z0-9_]", "_", name),
                                      [*MODEL, *ENGINE, *extra,
                                       *port_overrides(free_port_block(40))])
             t0 = time.perf_counter()
@@ -180,6 +183,10 @@ def main() -> None:
     ratio = ca / rr if rr else float("inf")
     print(f"  2P2D hit ratio cache_aware / round_robin: {ca:.2f} / {rr:.2f} = {ratio:.2f}x "
           f"(goal >= 1.8: {'met' if ratio >= 1.8 else 'NOT met'})")
+    if ratio < 1.8:
+        print("    why: in PD mode sglang-router 0.3.2 (the newest release) keeps no prefix "
+              "affinity: a repeated prompt alternates between the P's (docs/prefix-cache.md"
+              "#routing)")
     off, on = res["1P1D cache=true"], res["1P1D decode_cache=true"]
     print(f"  1P1D KV pulled per request, D cache on / off: "
           f"{on['pulled_per_req'] / off['pulled_per_req']:.2f}x; pulled / new pages' bytes with "
