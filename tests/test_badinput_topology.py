@@ -35,6 +35,8 @@ CASES = {
                        ["topology.hosts.1.name", "'a'", "duplicate host name"]),
     "no_hosts": (["topology.hosts=[]"], ["topology.hosts", "at least one host"]),
     "unknown_proxy_kind": (["proxy.kind=nginx"], ["proxy.kind", "nginx", "unknown proxy kind"]),
+    "zero_health_threshold": (["proxy.health_failure_threshold=0"],
+                              ["proxy.health_failure_threshold", "at least 1"]),
     "misspelt_policy": (["proxy.policy=cache_awre"],
                         ["proxy.policy", "'cache_awre'", "not a policy of the rust proxy",
                          "cache_aware"]),

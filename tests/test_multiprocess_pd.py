@@ -12,6 +12,8 @@ layout): the P(2 processes) x D(1 process) pair must be refused with a clear err
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
 import time
 
 import httpx
@@ -26,6 +28,7 @@ from tests.e2e_support import (
     port_block,
     processes_of_run,
 )
+from tests.fault_support import program_pid, wait_until
 from tests.multiprocess_support import ExtraProcesses, single_process_entry
 
 pytestmark = pytest.mark.slow
@@ -152,3 +155,39 @@ def test_asymmetric_pairing_is_refused(deployment, reference, tmp_path):
         assert d1["free_pages"] == d1["total_pages"]
     finally:
         extra.stop()
+
+
+def test_a_dead_follower_restarts_the_instance_as_a_whole(deployment, reference):
+    """kill -9 P's follower process: the leader ends the requests in flight (no hang) and
+    exits, the instance comes back as a whole under supervisord and serves the colocated
+    tokens again. (Last in this module: it restarts P.)"""
+    url = deployment.plan["proxy_url"]
+    leader, follower = "prefill_0_p0", "prefill_0_p1"
+    old_leader, old_follower = program_pid(deployment, leader), program_pid(deployment, follower)
+    with cf.ThreadPoolExecutor(1) as pool:
+        inflight = pool.submit(httpx.post, f"{url}/generate", timeout=120, json={
+            "text": PROMPTS[-1], "sampling_params": {**GREEDY, "max_new_tokens": 64}})
+        time.sleep(0.3)
+        t_kill = time.monotonic()
+        os.kill(old_follower, signal.SIGKILL)
+        resp = inflight.result(timeout=90)  # ends: an answer (retried) or a clean error
+        assert resp.status_code in (200, 500, 502, 503), resp.text
+    wait_until(lambda: program_pid(deployment, leader) not in (0, old_leader), 60,
+               what="the leader exited and was started again")
+    wait_until(lambda: all(httpx.get(f"{deployment.url(n)}/health", timeout=2).status_code
+                           == 200 for n in (leader, follower)), 180,
+               what="the restarted instance healthy")
+    restarted_s = time.monotonic() - t_kill
+    wait_until(lambda: _serves(url), 120, what="serving again")
+    for prompt in PROMPTS[:2]:
+        got = generate(url, {"text": prompt, "sampling_params": GREEDY})
+        assert got["output_ids"] == reference[prompt]
+    print(f"follower killed: instance serving again after {restarted_s:.1f} s")
+
+
+def _serves(url: str) -> bool:
+    try:
+        return httpx.post(f"{url}/generate", timeout=30, json={
+            "text": "hi", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -203,7 +203,7 @@ def test_manager_replays_pool_operations_on_the_mirror():
         assert [m["op"] for m in dm.sent] == ["d_pull", "d_scatter"]
         assert dm.sent[0]["peer"] == P.engine.address and dm.sent[0]["uuid"] == uuid
         assert dm.sent[0]["num_pages"] == 2
-        assert dm.sent[1] == {"op": "d_scatter", "room": 42, "page_ids": [5, 6]}
+        assert dm.sent[1] == {"op": "d_scatter", "room": 42, "page_ids": [5, 6], "skip": 0}
     finally:
         P.close()
         D.close()

@@ -131,7 +131,8 @@ def test_proxy_command_rust_and_mini_lb():
     for flag in ("--host 127.0.0.1", "--port 8000", "--prometheus-host 127.0.0.1",
                  "--prometheus-port 29100", "--prefill-policy round_robin",
                  "--decode-policy round_robin", "--request-timeout-secs 600",
-                 "--health-check-interval-secs 10"):
+                 "--health-check-interval-secs 2", "--health-failure-threshold 2",
+                 "--health-check-timeout-secs 2"):
         assert flag in joined
     mini = plan_for("proxy=mini_lb").by_name()["proxy"]
     assert "--mini-lb" in mini.command and "--prefill-policy" not in mini.command

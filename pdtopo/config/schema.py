@@ -129,7 +129,9 @@ class ProxySchema:
     api_key: str | None = None       # prefer ${oc.env:VAR} or api_key_file to a literal
     api_key_file: str | None = None  # file whose first line is the key (read at proxy start)
     request_timeout_s: int = 600
-    health_check_interval_s: int = 10
+    health_check_interval_s: int = 2
+    health_failure_threshold: int = 2  # rust: failed checks in a row before a worker is out
+    health_check_timeout_s: int = 2    # rust: a health check slower than this failed
     retries: int | None = None        # rust: null = router default, 0 = --disable-retries
     circuit_breaker: bool = True      # rust: false = --disable-circuit-breaker
 

@@ -352,7 +352,9 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
     else:
         cmd += ["--prometheus-host", address, "--prometheus-port", str(ports["prometheus"]),
                 "--prefill-policy", proxy.policy, "--decode-policy", proxy.decode_policy,
-                "--health-check-interval-secs", str(proxy.health_check_interval_s)]
+                "--health-check-interval-secs", str(proxy.health_check_interval_s),
+                "--health-failure-threshold", str(proxy.health_failure_threshold),
+                "--health-check-timeout-secs", str(proxy.health_check_timeout_s)]
         if proxy.retries is not None:
             cmd += (["--disable-retries"] if proxy.retries == 0
                     else ["--retry-max-retries", str(proxy.retries)])

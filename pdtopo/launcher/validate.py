@@ -70,6 +70,10 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
     if proxy.api_key and proxy.api_key_file:
         raise TopologyError("proxy.api_key_file", proxy.api_key_file,
                             "give the key once: proxy.api_key or proxy.api_key_file, not both")
+    for key in ("health_check_interval_s", "health_failure_threshold", "health_check_timeout_s",
+                "request_timeout_s"):
+        if getattr(proxy, key) < 1:
+            raise TopologyError(f"proxy.{key}", getattr(proxy, key), "must be at least 1")
     if proxy.retries is not None and proxy.retries < 0:
         raise TopologyError("proxy.retries", proxy.retries,
                             "must be null (router default), 0 (no retries) or a positive count")

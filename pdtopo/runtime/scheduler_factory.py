@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pdtopo.runtime.disagg.decode import SchedulerDisaggregationDecodeMixin
 from pdtopo.runtime.disagg.prefill import SchedulerDisaggregationPrefillMixin
-from pdtopo.runtime.distributed.leader import attach_leader
+from pdtopo.runtime.distributed.leader import attach_leader, exit_on_follower_loss
 from pdtopo.runtime.engine.scheduler import Scheduler
 
 
@@ -37,4 +37,6 @@ def make_scheduler(ctx, runner, tokenizer, metrics=None) -> Scheduler:
         raise ValueError(f"process {ctx.name!r} has role {ctx.role!r}: a server needs one of "
                          f"{', '.join(SCHEDULERS)}")
     runner = attach_leader(ctx, runner)  # multi-process instance: followers in lockstep
-    return cls(ctx, runner, tokenizer, metrics=metrics)
+    scheduler = cls(ctx, runner, tokenizer, metrics=metrics)
+    exit_on_follower_loss(scheduler)  # a dead follower: end the requests, restart the instance
+    return scheduler

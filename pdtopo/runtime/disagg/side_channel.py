@@ -45,6 +45,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pdtopo.runtime.disagg import messages as m
+from pdtopo.runtime.zmq_source import source_fd
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,6 @@ _TO_P = ("want", "done", "failed")   # types a ROUTER accepts
 _TO_D = ("ready", "failed")          # types a DEALER accepts
 PEER_GONE_STATUS = 503  # a retryable status: the router may send the request elsewhere
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-
-
-def _source_fd(frame: zmq.Frame) -> int | None:
-    """The descriptor of the connection a received frame came in on (None if unknown)."""
-    try:
-        return int(frame.get(zmq.SRCFD))
-    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-        return None
 
 
 class Peer(NamedTuple):
@@ -295,7 +288,7 @@ class SideChannel:
             except zmq.Again:
                 return
             frames = [p.bytes for p in parts]
-            fd = _source_fd(parts[-1])
+            fd = source_fd(parts[-1])
             if fd is not None:
                 self._peer_fds[frames[0]] = fd
             peer = Peer("router", frames[0])

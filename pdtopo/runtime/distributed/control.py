@@ -9,7 +9,10 @@ high-water marks are unlimited). Followers -> leader: `send(msg)` (acks such as 
 the leader's `on_message(process_id, msg)` callback runs on its I/O thread, and so does
 `on_tick()` (at least every 50 ms).
 Liveness: the leader sends `ping` every `ping_interval_s`; a follower whose leader is silent
-for `leader_timeout_s` treats the leader as gone (`ControlClient.leader_alive()`).
+for `leader_timeout_s`, or whose connection to the leader closed (socket monitor), treats the
+leader as gone (`ControlClient.leader_alive()`). The leader's socket monitor reports a
+follower whose connection closed (matched to its `hello` by the connection's descriptor):
+`on_follower_lost(process_id)` runs on the leader's I/O thread.
 
 Each endpoint has one I/O thread that owns its ZMQ sockets; other threads hand it outgoing
 messages through an inproc PUSH socket (guarded by a lock), so no socket is shared.
@@ -27,6 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pdtopo.runtime.zmq_source import source_fd
 
 log = logging.getLogger("pdtopo.distributed.control")
 
@@ -56,6 +62,8 @@ class _Endpoint:
         self._pipe_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # connection closes of `sock`, delivered to `_on_disconnect(fd)` on the I/O thread
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     def _queue_out(self, frames: list[bytes]) -> None:
         with self._pipe_lock:
@@ -65,6 +73,7 @@ class _Endpoint:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._pipe_in, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 events = dict(poller.poll(50))
@@ -81,10 +90,19 @@ class _Endpoint:
                 if self.sock in events:
                     while True:
                         try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                            parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_frames(frames)
+                        self._source_fd = source_fd(parts[-1])
+                        self._on_frames([f.bytes for f in parts])
+                if self._monitor in events:
+                    while True:
+                        try:
+                            event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if event["event"] == zmq.EVENT_DISCONNECTED:
+                            self._on_disconnect(int(event["value"]))
                 self._tick()
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
@@ -92,8 +110,15 @@ class _Endpoint:
                 log.exception("control channel error: %s", exc)
             except Exception:
                 log.exception("control channel handler failed")
+        self.sock.disable_monitor()
+        self._monitor.close(0)
         self.sock.close(0)
         self._pipe_in.close(0)
+
+    _source_fd: int | None = None  # descriptor of the connection the frames being handled came on
+
+    def _on_disconnect(self, fd: int) -> None:
+        """A connection of `sock` closed (I/O thread)."""
 
     def _send_out(self, frames: list[bytes]) -> None:
         raise NotImplementedError
@@ -120,6 +145,7 @@ class ControlServer(_Endpoint):
     def __init__(self, bind_addr: str, num_followers: int,
                  on_message: Callable[[int, dict[str, Any]], None] | None = None, *,
                  on_tick: Callable[[], None] | None = None,
+                 on_follower_lost: Callable[[int], None] | None = None,
                  ping_interval_s: float = 1.0) -> None:
         super().__init__(zmq.ROUTER, "lockstep-control")
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -132,8 +158,10 @@ class ControlServer(_Endpoint):
         self.num_followers = int(num_followers)
         self.on_message = on_message
         self.on_tick = on_tick
+        self.on_follower_lost = on_follower_lost
         self.ping_interval_s = ping_interval_s
         self._followers: dict[int, bytes] = {}     # process_id -> ROUTER identity (I/O thread)
+        self._follower_fds: dict[int, int] = {}    # process_id -> its connection's descriptor
         self._all_joined = threading.Event()
         if self.num_followers == 0:
             self._all_joined.set()
@@ -164,6 +192,8 @@ class ControlServer(_Endpoint):
             if pid in self._followers and self._followers[pid] != ident:
                 log.warning("lockstep: follower process %d reconnected", pid)
             self._followers[pid] = ident
+            if self._source_fd is not None:
+                self._follower_fds[pid] = self._source_fd
             log.info("lockstep: follower process %d joined (%d/%d)", pid,
                      len(self._followers), self.num_followers)
             if len(self._followers) >= self.num_followers:
@@ -171,6 +201,15 @@ class ControlServer(_Endpoint):
             return
         if self.on_message is not None:
             self.on_message(int(msg.get("process_id", -1)), msg)
+
+    def _on_disconnect(self, fd: int) -> None:
+        for pid in [p for p, f in self._follower_fds.items() if f == fd]:
+            del self._follower_fds[pid]
+            self._followers.pop(pid, None)
+            self._all_joined.clear()
+            log.error("lockstep: follower process %d disconnected (it died or was killed)", pid)
+            if self.on_follower_lost is not None:
+                self.on_follower_lost(pid)
 
     def _tick(self) -> None:
         if self.on_tick is not None:
@@ -209,7 +248,14 @@ class ControlClient(_Endpoint):
             return None
 
     def leader_alive(self) -> bool:
-        return time.monotonic() - self._last_seen < self.leader_timeout_s
+        return (not self._leader_gone
+                and time.monotonic() - self._last_seen < self.leader_timeout_s)
+
+    _leader_gone = False
+
+    def _on_disconnect(self, fd: int) -> None:
+        log.error("lockstep: the connection to the leader closed (it died or restarted)")
+        self._leader_gone = True
 
     def _send_out(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)

@@ -20,6 +20,12 @@ every follower's hello and returns a `LeaderRunner`, which the scheduler uses li
 
 Commands are broadcast from the scheduler thread only, in the order of execution here, so
 every process runs the same sequence of global computations.
+
+A follower that dies leaves the instance unable to run a step (its collectives would wait
+forever): the control channel reports the closed connection, the leader ends every request in
+flight with a retryable 503 and exits (`FOLLOWER_LOST_EXIT`); the followers see the leader's
+connection close and exit too, and supervisord starts the whole instance again
+(`exit_on_follower_loss`, installed by `make_scheduler`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -34,6 +41,7 @@ from typing import Any
 from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.distributed.cluster import ClusterSpec
 from pdtopo.runtime.distributed.control import ControlServer
+from pdtopo.runtime.engine.request import FinishReason, ReqOutput
 
 log = logging.getLogger("pdtopo.distributed.leader")
 
@@ -104,6 +112,19 @@ class LeaderMirror:
 
     def attach(self, server: ControlServer) -> None:
         self.server = server
+
+    on_lost: Any = None  # callable(process_id): what the process does when a follower dies
+
+    def follower_lost(self, process_id: int) -> None:
+        """The control channel's report of a dead follower (its I/O thread)."""
+        if self._closed:
+            return
+        if self.on_lost is not None:
+            self.on_lost(process_id)
+        else:
+            log.error("lockstep: follower process %d died; exiting so that the instance "
+                      "restarts as a whole", process_id)
+            os._exit(FOLLOWER_LOST_EXIT)
 
     def broadcast(self, msg: dict[str, Any]) -> None:
         assert self.server is not None
@@ -205,6 +226,47 @@ class LeaderRunner:
         return getattr(self._runner, name)
 
 
+FOLLOWER_LOST_EXIT = 75  # the leader's exit status when a follower died (supervisord restarts)
+_ANSWER_GRACE_S = 0.5    # time the HTTP layer gets to answer the ended requests before exit
+
+
+def exit_on_follower_loss(scheduler: Any) -> None:
+    """On a leader: when a follower dies, end every request in flight with a retryable 503
+    (the scheduler thread may be stuck in a step the dead follower never joins, so the outputs
+    go straight to the requests' sinks), give the HTTP layer a moment to answer, and exit."""
+    mirror = getattr(scheduler.runner, "kv_mirror", None)
+    if mirror is None:
+        return
+
+    def on_lost(process_id: int) -> None:
+        log.error("lockstep: follower process %d died; ending the requests in flight and "
+                  "exiting so that the instance restarts as a whole", process_id)
+        reason = FinishReason.abort(
+            f"process {process_id} of this multi-process instance died; the instance "
+            "restarts (retry the request)", 503)
+        for req in _live_requests(scheduler):
+            try:
+                req.sink.emit(ReqOutput(rid=req.rid, new_token_ids=[],
+                                        num_output_tokens=len(req.output_ids),
+                                        prompt_tokens=len(req.prompt_ids), finished=True,
+                                        finish_reason=reason))
+            except Exception:  # noqa: BLE001 - last words; the exit below must happen
+                log.exception("could not end %s", req.rid)
+        time.sleep(_ANSWER_GRACE_S)
+        os._exit(FOLLOWER_LOST_EXIT)
+
+    mirror.on_lost = on_lost
+
+
+def _live_requests(scheduler: Any) -> list[Any]:
+    for _ in range(10):  # the scheduler thread may change the dict while we copy it
+        try:
+            return list(scheduler.reqs.values())
+        except RuntimeError:
+            time.sleep(0.001)
+    return []
+
+
 def attach_leader(ctx: Any, runner: Any) -> Any:
     """`runner` unchanged for a single-process instance; else the lockstep `LeaderRunner`
     once every follower joined (raises after JOIN_TIMEOUT_S)."""
@@ -218,7 +280,7 @@ def attach_leader(ctx: Any, runner: Any) -> Any:
     port = spec.control_addr.rpartition(":")[2]
     bind = f"{ctx.bind_host}:{port}"
     server = ControlServer(bind, spec.num_processes - 1, mirror.on_message,
-                           on_tick=mirror.on_tick)
+                           on_tick=mirror.on_tick, on_follower_lost=mirror.follower_lost)
     mirror.attach(server)
     log.info("lockstep: waiting for %d follower(s) on %s", spec.num_processes - 1, bind)
     if not server.wait_followers(JOIN_TIMEOUT_S):
