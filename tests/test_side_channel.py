@@ -198,6 +198,39 @@ def test_dead_prefill_fails_the_rooms_expected_from_it_at_once():
             ch.close()
 
 
+def test_rooms_for_a_prefill_that_is_down_fail_at_once():
+    """A `want` to a P nobody listens at (never up, or dead since) fails in well under a
+    second with a retryable 503, not at the KV timeout; once P is back, rooms work again."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    d = SideChannel(name="D")
+    try:
+        t0 = time.monotonic()
+        d.send_to(f"127.0.0.1:{port}", m.Want(room=1))  # nothing listens there
+        ev = _get(d.events, timeout=5)
+        assert (ev.msg.room, ev.msg.status) == (1, 503) and "refuses connections" in ev.msg.reason
+        d.send_to(f"127.0.0.1:{port}", m.Want(room=2))  # still down: at once
+        ev = _get(d.events, timeout=5)
+        assert (ev.msg.room, ev.msg.status) == (2, 503) and "unreachable" in ev.msg.reason
+        assert time.monotonic() - t0 < 3
+        p = SideChannel(bind=f"127.0.0.1:{port}", name="P")  # P comes (back) up
+        try:
+            # the DEALER reconnects on its own; wants it had queued for rooms D already
+            # failed may reach P too (P drops those when they expire): wait for room 3's
+            _until(lambda: "127.0.0.1:%d" % port not in d._down)
+            d.send_to(p.address, m.Want(room=3))
+            rooms = set()
+            deadline = time.monotonic() + 10
+            while 3 not in rooms and time.monotonic() < deadline:
+                rooms.add(_get(p.events, timeout=5).msg.room)
+            assert 3 in rooms and d.events.empty()
+        finally:
+            p.close()
+    finally:
+        d.close()
+
+
 def test_dead_decode_fails_the_rooms_it_owns_at_p_at_once():
     """D's process dies (its sockets close): P gets a local `failed` (status 503) for every
     room that D owns, so it frees their KV now rather than at sender_expiry_s; rooms P already

@@ -22,6 +22,9 @@ A P that dies (kill -9, crash) closes its TCP connections at once: each DEALER's
 reports the disconnect, and every room still expected from that endpoint gets a local
 `failed(room, status=503)` event, as if P had sent it, so D fails those requests now instead of
 at `disaggregation.kv_timeout_s` (counted as `peer_disconnects` / `rooms_failed_on_disconnect`).
+While the endpoint stays down (the monitor reports refused reconnects), a `want` for a new room
+fails the same way at once, and so does a room whose first connection attempt is refused: a
+request the router still sends to a dead P gets a retryable error in milliseconds.
 The same holds the other way: the ROUTER's socket monitor reports a D whose connection closed;
 the ROUTER knows which connection each D identity's messages came from (the frames' source
 descriptor), and every room that D owns gets a local `failed(room, status=503)` event, as if D
@@ -52,7 +55,7 @@ log = logging.getLogger(__name__)
 _TO_P = ("want", "done", "failed")   # types a ROUTER accepts
 _TO_D = ("ready", "failed")          # types a DEALER accepts
 PEER_GONE_STATUS = 503  # a retryable status: the router may send the request elsewhere
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 class Peer(NamedTuple):
@@ -84,6 +87,7 @@ class SideChannel:
         self._router: zmq.Socket | None = None
         self._dealers: dict[str, zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, str] = {}   # DEALER monitor -> P endpoint
+        self._down: set[str] = set()                 # DEALER endpoints known unreachable
         self._router_monitor: zmq.Socket | None = None
         self._peer_fds: dict[bytes, int] = {}        # ROUTER: D identity -> its connection fd
         self._owners: dict[int, bytes] = {}      # ROUTER: room -> D identity
@@ -183,8 +187,17 @@ class SideChannel:
                 event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self._down.discard(endpoint)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._down.add(endpoint)
                 self._peer_gone(endpoint)
+            elif kind == zmq.EVENT_CONNECT_RETRIED:  # refused: nothing listens there now
+                if endpoint not in self._down:
+                    self._down.add(endpoint)
+                    self._fail_expected(endpoint, "refuses connections (it is down or "
+                                        "restarting)")
 
     def _recv_router_monitor(self) -> None:
         """The ROUTER's connection events; a closed connection fails its D's rooms."""
@@ -214,16 +227,22 @@ class SideChannel:
                        "restarted); nobody will pull it")))
 
     def _peer_gone(self, endpoint: str) -> None:
-        rooms = sorted(r for r, e in self._expected.items() if e == endpoint)
         self._count("peer_disconnects")
-        log.warning("%s: prefill side channel %s disconnected; failing rooms %s", self.name,
-                    endpoint, rooms)
+        self._fail_expected(endpoint, "disconnected (it died or restarted)")
+
+    def _fail_expected(self, endpoint: str, what: str, rooms: list[int] | None = None) -> None:
+        """Local `failed` events for the rooms expected from `endpoint` (or just `rooms`)."""
+        if rooms is None:
+            rooms = sorted(r for r, e in self._expected.items() if e == endpoint)
+        if rooms:
+            log.warning("%s: prefill side channel %s %s; failing rooms %s", self.name,
+                        endpoint, what, rooms)
         for room in rooms:
             self._count("rooms_failed_on_disconnect")
             self.events.put(SideChannelEvent(Peer("dealer", endpoint), m.Failed(
                 room=room, status=PEER_GONE_STATUS,
-                reason=f"the prefill server at {endpoint} disconnected (it died or restarted); "
-                       "its KV for this request will not come")))
+                reason=f"the prefill server at {endpoint} {what}; its KV for this request "
+                       "will not come")))
 
     def _do_send(self, peer: Peer, msg: m.Message) -> None:
         data = m.encode(msg)
@@ -241,6 +260,9 @@ class SideChannel:
             else:
                 if msg.type == "want":
                     self._expected[msg.room] = peer.key
+                    if peer.key in self._down:  # P is known to be down: do not wait for it
+                        self._fail_expected(peer.key, "is unreachable", [msg.room])
+                        return
                 self._dealer(peer.key).send(data, flags=zmq.NOBLOCK)
             self._count(f"sent_{msg.type}")
         except (zmq.ZMQError, RuntimeError) as e:
