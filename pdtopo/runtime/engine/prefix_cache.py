@@ -14,8 +14,10 @@ Data flow, all on the scheduler thread that owns the pool:
                                   its first n computed tokens; pages the tree lacks are adopted
                                   (one more reference), pages whose prefix is already cached stay
                                   the request's (it frees them with the rest of its table)
-    evict(n)                   -> free up to n pages: least recently used leaves that nobody but
-                                  the tree holds, then their parents as they become leaves
+    evict(n)                   -> free up to n pages (at least 1/64 of the tree: the walk that
+                                  finds the leaves is amortized): least recently used leaves that
+                                  nobody but the tree holds, then their parents as they become
+                                  leaves
     flush()                    -> evict everything unreferenced (POST /flush_cache)
     problems(tables)           -> consistency of tree and allocator against the page tables
                                   of live requests (every page's references accounted for)
@@ -104,9 +106,13 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ freeing
     def evict(self, n: int) -> int:
-        """Free up to `n` pages, least recently used unreferenced leaves first."""
+        """Free up to `n` pages, least recently used unreferenced leaves first. Finding the
+        leaves walks the whole tree, so a call frees at least 1/64 of the tree (when that many
+        are unreferenced): on a busy server with a full pool that walk is paid once per 64
+        evicted pages at most, not once per allocation."""
         if n <= 0 or not self._pages:
             return 0
+        n = max(n, len(self._pages) // 64)
         refcount = self.allocator.refcount
         heap = [(node.last_used, id(node), node) for node in self._pages.values()
                 if not node.children and refcount(node.page) == 1]
