@@ -25,6 +25,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(1, num_pages))
         self._refs: dict[int, int] = {}   # page -> holders (only pages in use)
+        self.version = 0                  # bumped by every change (callers cache checks on it)
 
     @property
     def num_total(self) -> int:
@@ -57,6 +58,7 @@ class PageAllocator:
         pages = [self._free.popleft() for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
+        self.version += 1
         return pages
 
     def incref(self, pages: Iterable[int]) -> None:
@@ -66,6 +68,7 @@ class PageAllocator:
             raise ValueError(f"adding a holder to pages that are not allocated: {bad}")
         for p in pages:
             self._refs[p] += 1
+        self.version += 1
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference of each page; pages left without holders become free."""
@@ -80,7 +83,9 @@ class PageAllocator:
             else:
                 del self._refs[p]
                 self._free.append(p)
+        self.version += 1
 
     def reset(self) -> None:
         self._free = deque(range(1, self.num_pages))
         self._refs.clear()
+        self.version += 1

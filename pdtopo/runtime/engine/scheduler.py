@@ -110,6 +110,7 @@ class Scheduler:
         self.num_prefill_tokens = 0
         self.num_preemptions = 0
         self.num_cached_tokens = 0    # prompt tokens whose KV came from the prefix cache
+        self._page_check: tuple[int, list[str]] = (-1, [])  # (allocator version, problems)
         self._tput_window: deque[tuple[float, int]] = deque()
         self.alive = True
         self.publish_stats()
@@ -392,6 +393,12 @@ class Scheduler:
         tables = [r.page_ids for r in self.reqs.values()]
         return reference_problems(self.allocator, self.prefix_cache, tables)
 
+    def _idle_page_problems(self) -> list[str]:
+        version = self.allocator.version
+        if self._page_check[0] != version:
+            self._page_check = (version, self.page_problems()[:5])
+        return self._page_check[1]
+
     def flush_cache(self) -> Future:
         """Thread-safe: empty the prefix cache of every page no request holds (on the scheduler
         thread); the future's result says what was freed and what is still held."""
@@ -550,8 +557,9 @@ class Scheduler:
             "tree_pages": self.prefix_cache.num_pages if self.prefix_cache is not None else 0,
             "cached_tokens": self.num_cached_tokens,
             "evicted_pages": self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
-            # checked only when idle (cheap then; the full check runs in tests at any time)
-            "page_problems": None if self.reqs else self.page_problems()[:5],
+            # checked only when idle, and again only after the pool changed (the full check
+            # runs in tests at any time)
+            "page_problems": None if self.reqs else self._idle_page_problems(),
             "gen_throughput": tput,
             "alive": self.alive,
         }
