@@ -246,6 +246,12 @@ class BaseKVSender(abc.ABC):
     @abc.abstractmethod
     def poll(self) -> KVPoll: ...
 
+    @property
+    def last_state(self) -> KVPoll:
+        """The state without driving the transport (a backend may answer from its last
+        progress; this default simply polls)."""
+        return self.poll()
+
     @abc.abstractmethod
     def failure_exception(self) -> BaseException | None: ...
 

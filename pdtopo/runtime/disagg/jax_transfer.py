@@ -109,6 +109,12 @@ class _RoomEndpoint:
         self.mgr.progress()
         return self._state.state
 
+    @property
+    def last_state(self) -> KVPoll:
+        """The state as of the manager's last `progress()` (no side-channel work: for loops
+        over many rooms right after one `mgr.progress()`)."""
+        return self._state.state
+
     def failure_exception(self) -> BaseException | None:
         return self._state.error
 

@@ -90,10 +90,10 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         super().idle_wait(timeout)
 
     def _poll_senders(self) -> None:
-        self.kv_manager.progress()
+        self.kv_manager.progress()  # once: the loops below read each room's resulting state
         still = []
         for sender in self._inflight:
-            state = sender.poll()
+            state = sender.last_state
             if state == KVPoll.Failed:
                 log.warning("room %d: %s", sender.room, sender.failure_exception())
             elif state != KVPoll.Success:
@@ -102,7 +102,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         for rid, sender in list(self._senders.items()):
             # D gave up on a room whose request P has not sent yet (client gone at D, D's
             # timeout or rejection): stop spending prefill on it
-            if sender.ready_msg is None and sender.poll() == KVPoll.Failed:
+            if sender.ready_msg is None and sender.last_state == KVPoll.Failed:
                 req = self.reqs.get(rid)
                 if req is not None and not req.finished:
                     self._fail_request(req, sender)
@@ -159,7 +159,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             if req is None or sender is None:
                 self._awaiting_want.pop(rid, None)
                 continue
-            if sender.poll() == KVPoll.Failed:
+            if sender.last_state == KVPoll.Failed:  # _poll_senders ran progress() just before
                 self._fail_request(req, sender)
             elif sender.peer is not None or now >= deadline:
                 del self._awaiting_want[rid]
