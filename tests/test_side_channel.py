@@ -218,7 +218,7 @@ def test_rooms_for_a_prefill_that_is_down_fail_at_once():
         try:
             # the DEALER reconnects on its own; wants it had queued for rooms D already
             # failed may reach P too (P drops those when they expire): wait for room 3's
-            _until(lambda: "127.0.0.1:%d" % port not in d._down)
+            _until(lambda: f"127.0.0.1:{port}" not in d._down)
             d.send_to(p.address, m.Want(room=3))
             rooms = set()
             deadline = time.monotonic() + 10
