@@ -80,3 +80,18 @@ def reference(prompt: list[int], n: int) -> list[int]:
         out.append(t)
         seq.append(t)
     return out
+
+
+def run_until_idle(s, max_steps: int = 500, after_step=None) -> None:
+    """Step a scheduler (not started) on this thread until it has nothing to run;
+    `after_step(s)` runs after every batch (e.g. a consistency check)."""
+    for _ in range(max_steps):
+        s.drain_inbox()
+        batch = s.schedule()
+        if batch is None:
+            s.publish_stats()
+            return
+        s.run_batch(batch)
+        if after_step is not None:
+            after_step(s)
+    raise AssertionError("scheduler did not become idle")

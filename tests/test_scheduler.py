@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from scheduler_fakes import EOS, FakeRunner, FakeTokenizer, make_ctx, reference
+from scheduler_fakes import EOS, FakeRunner, FakeTokenizer, make_ctx, reference, run_until_idle
 
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
 from pdtopo.runtime.engine.scheduler import Scheduler
@@ -20,17 +20,6 @@ def mk(rid, prompt, n=8, **sp):
     for k, v in sp.items():
         setattr(params, k, v)
     return Req(rid=rid, prompt_ids=list(prompt), sampling=params, sink=sink), sink
-
-
-def run_until_idle(s: Scheduler, max_steps=500):
-    for _ in range(max_steps):
-        s.drain_inbox()
-        batch = s.schedule()
-        if batch is None:
-            s.publish_stats()
-            return
-        s.run_batch(batch)
-    raise AssertionError("scheduler did not become idle")
 
 
 def assert_baseline(s: Scheduler):

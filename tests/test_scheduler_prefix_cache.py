@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from scheduler_fakes import FakeRunner, FakeTokenizer, make_ctx, reference
+from scheduler_fakes import FakeRunner, FakeTokenizer, make_ctx, reference, run_until_idle
 
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
 from pdtopo.runtime.engine.scheduler import Scheduler
@@ -32,17 +32,12 @@ def mk(rid, prompt, n=6):
     return Req(rid=rid, prompt_ids=list(prompt), sampling=sp, sink=QueueSink())
 
 
-def step_until_idle(s: Scheduler, check_every_step=True, max_steps=20000) -> None:
-    for _ in range(max_steps):
-        s.drain_inbox()
-        batch = s.schedule()
-        if batch is None:
-            s.publish_stats()
-            return
-        s.run_batch(batch)
-        if check_every_step:
-            assert s.page_problems() == []
-    raise AssertionError("scheduler did not become idle")
+def _consistent(s: Scheduler) -> None:
+    assert s.page_problems() == []
+
+
+def step_until_idle(s: Scheduler, max_steps=20000) -> None:
+    run_until_idle(s, max_steps, after_step=_consistent)
 
 
 def outputs(req: Req):
