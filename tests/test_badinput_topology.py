@@ -4,6 +4,7 @@ carried (item 9). Fast: `pdtopo render` and pure functions only, no processes.""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from pdtopo.cli import main
 from pdtopo.config.compose import compose_config
 from pdtopo.launcher.plan import API_KEY_ENV, expand_plan
 from pdtopo.launcher.render_supervisord import render_supervisord
-from pdtopo.launcher.router_entry import API_KEY_FILE_ENV, read_api_key
+from pdtopo.launcher.router_entry import API_KEY_FILE_ENV, read_api_key, split_router_module
 from pdtopo.launcher.run_dir import resolved_config
 from pdtopo.runtime.settings import direct_process_context, load_process_context
 
@@ -50,6 +51,16 @@ CASES = {
                              ["proxy.api_key", "mini_lb does not check API keys"]),
     "mini_lb_with_key_file": (["proxy=mini_lb", "proxy.api_key_file=/tmp/k"],
                               ["proxy.api_key_file", "/tmp/k", "mini_lb"]),
+    "gateway_misspelt_policy": (["proxy=gateway", "proxy.policy=prefixhash"],
+                                ["proxy.policy", "'prefixhash'", "not a policy of the gateway",
+                                 "prefix_hash"]),
+    "gateway_negative_grace": (["proxy=gateway", "proxy.shutdown_grace_s=-1"],
+                               ["proxy.shutdown_grace_s", "-1", "must be 0"]),
+    "extra_arg_owned_by_pdtopo": (['proxy.extra_args=["--cache-threshold","0.5","--port=1"]'],
+                                  ["proxy.extra_args.2", "'--port=1'",
+                                   "pdtopo sets this flag itself"]),
+    "mini_lb_extra_args": (["proxy=mini_lb", 'proxy.extra_args=["--x"]'],
+                           ["proxy.extra_args", "mini_lb takes no extra flags"]),
     "key_twice": (["proxy.api_key=k", "proxy.api_key_file=/tmp/k"],
                   ["proxy.api_key_file", "give the key once"]),
     "chip_lists_vs_instances": (["topology.prefill.chips=[[0],[1]]"],
@@ -174,3 +185,36 @@ def test_read_api_key(tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(SystemExit, match="is empty"):
         read_api_key({API_KEY_FILE_ENV: str(tmp_path / "empty")})
+
+
+@pytest.mark.parametrize("proxy_kind", ["rust", "gateway"])
+def test_each_router_parses_the_planned_command(proxy_kind, monkeypatch):
+    """The router package's own parser accepts every flag pdtopo plans (an unknown flag or a
+    bad value is an argparse SystemExit), and the key set by the entry lands on its RouterArgs."""
+    extra = {"rust": '["--cache-threshold","0.4"]',
+             "gateway": '["--worker-wedge-secs","120","--cache-threshold","0.4"]'}[proxy_kind]
+    cfg = compose_config(["topology=2p2d_cpu", f"proxy={proxy_kind}", "proxy.retries=0",
+                          "proxy.circuit_breaker=false", "proxy.api_key=k9",
+                          f"proxy.extra_args={extra}"])
+    cmd = expand_plan(cfg, python="/py").by_name()["proxy"].command
+    module, argv = split_router_module(cmd[3:])
+    assert module == {"rust": "sglang_router.launch_router",
+                      "gateway": "smg.launch_router"}[proxy_kind]
+    args = importlib.import_module(module).parse_router_args(argv)
+    assert args.pd_disaggregation and args.disable_retries and args.disable_circuit_breaker
+    assert [url for url, _port in args.prefill_urls] == ["http://127.0.0.1:30000",
+                                                          "http://127.0.0.1:30001"]
+    assert args.decode_urls == ["http://127.0.0.1:30002", "http://127.0.0.1:30003"]
+    assert args.prefill_policy == ("cache_aware" if proxy_kind == "gateway" else "round_robin")
+    assert args.cache_threshold == pytest.approx(0.4)
+
+
+def test_router_entry_module_choice():
+    assert split_router_module(["--pd-disaggregation"]) == ("sglang_router.launch_router",
+                                                            ["--pd-disaggregation"])
+    assert split_router_module(["--router-module", "smg.launch_router", "--port", "1"]) == \
+        ("smg.launch_router", ["--port", "1"])
+    with pytest.raises(SystemExit, match="--router-module takes one of"):
+        split_router_module(["--router-module", "os"])
+    with pytest.raises(SystemExit, match="got nothing"):
+        split_router_module(["--router-module"])

@@ -65,7 +65,7 @@ def test_cfg_job_and_help_via_console_script(tmp_path):
                             text=True, timeout=120)
     assert helped.returncode == 0
     assert "topology: " in helped.stdout and "1p1d_v6e8" in helped.stdout
-    assert "proxy: mini_lb, rust" in helped.stdout
+    assert "proxy: gateway, mini_lb, rust" in helped.stdout
 
 
 def test_usage_errors(tmp_path, capsys, monkeypatch):

@@ -140,6 +140,30 @@ def test_proxy_command_rust_and_mini_lb():
     assert plan.by_name()["proxy"].health_url == "http://127.0.0.1:8000/health"
 
 
+def test_proxy_command_gateway():
+    plan = plan_for("topology=2p2d_cpu", "proxy=gateway")
+    proxy = plan.by_name()["proxy"]
+    assert proxy.command[:4] == ["/venv/bin/python", "-m", "smg.launch_router",
+                                 "--pd-disaggregation"]
+    joined = " ".join(proxy.command)
+    for flag in ("--prefill http://127.0.0.1:30000 32000 --prefill http://127.0.0.1:30001 32001",
+                 "--decode http://127.0.0.1:30002 --decode http://127.0.0.1:30003",
+                 "--prefill-policy cache_aware", "--decode-policy round_robin",
+                 "--prometheus-port 29100", "--health-check-interval-secs 2",
+                 "--shutdown-grace-period-secs 10", "--log-level warn"):
+        assert flag in joined
+    assert proxy.ports == {"http": 8000, "prometheus": 29100}
+    keyed = plan_for("topology=2p2d_cpu", "proxy=gateway", "proxy.api_key=sekret",
+                     "proxy.policy=prefix_hash").by_name()["proxy"]
+    assert keyed.command[2:6] == ["pdtopo.launcher.router_entry", "--router-module",
+                                  "smg.launch_router", "--pd-disaggregation"]
+    assert "sekret" not in keyed.command and "--prefill-policy prefix_hash" in \
+        " ".join(keyed.command)
+    # the rust router's commands do not name a module: the entry's default is sglang-router
+    rust = plan_for("topology=2p2d_cpu", "proxy.api_key=sekret").by_name()["proxy"]
+    assert "--router-module" not in rust.command and "--log-level" not in rust.command
+
+
 def test_colocated_and_local_modes():
     plan = plan_for("topology=colocated_cpu")
     assert [p.name for p in plan.processes] == ["colocated_0"]

@@ -19,14 +19,18 @@ from omegaconf.errors import OmegaConfBaseException
 
 MODES = ("pd", "colocated", "local")
 PLATFORMS = ("tpu", "cpu")
-PROXY_KINDS = ("rust", "mini_lb")
-# The routing policies each proxy offers (sglang-router 0.3: `launch_router --help`); `manual`
-# routes by a client header, `bucket` (prefill only) by prompt length.
+PROXY_KINDS = ("rust", "gateway", "mini_lb")
+# The routing policies each proxy offers (sglang-router 0.3 and smg 1.13: `launch_router
+# --help`); `manual` routes by a client header, `bucket` (prefill only) by prompt length.
 PROXY_POLICIES = {
     "rust": {"policy": ("random", "round_robin", "cache_aware", "power_of_two", "manual",
                         "bucket"),
              "decode_policy": ("random", "round_robin", "cache_aware", "power_of_two",
                                "manual")},
+    "gateway": {"policy": ("random", "round_robin", "cache_aware", "power_of_two", "manual",
+                           "bucket", "consistent_hashing", "prefix_hash", "least_load"),
+                "decode_policy": ("random", "round_robin", "cache_aware", "power_of_two",
+                                  "manual", "consistent_hashing", "prefix_hash", "least_load")},
     "mini_lb": {"policy": ("random",), "decode_policy": ("random",)},
 }
 PORT_KINDS = ("http", "transfer", "zmq")
@@ -130,10 +134,14 @@ class ProxySchema:
     api_key_file: str | None = None  # file whose first line is the key (read at proxy start)
     request_timeout_s: int = 600
     health_check_interval_s: int = 2
-    health_failure_threshold: int = 2  # rust: failed checks in a row before a worker is out
-    health_check_timeout_s: int = 2    # rust: a health check slower than this failed
-    retries: int | None = None        # rust: null = router default, 0 = --disable-retries
-    circuit_breaker: bool = True      # rust: false = --disable-circuit-breaker
+    health_failure_threshold: int = 2  # rust, gateway: failed checks in a row before a worker is out
+    health_check_timeout_s: int = 2    # rust, gateway: a health check slower than this failed
+    retries: int | None = None        # rust, gateway: null = router default, 0 = --disable-retries
+    circuit_breaker: bool = True      # rust, gateway: false = --disable-circuit-breaker
+    shutdown_grace_s: int = 10        # gateway: how long a stopping proxy lets requests finish
+    # rust, gateway: more router flags, appended to pdtopo's (e.g. ["--worker-wedge-secs",
+    # "30"]); a flag pdtopo sets itself is refused at plan time
+    extra_args: list[str] = field(default_factory=list)
 
 
 def _typed(schema: type, node: Any, prefix: str) -> Any:

@@ -40,6 +40,8 @@ PRIORITY = {"bootstrap": 100, "prefill": 200, "decode": 200, "colocated": 200, "
             "proxy": 300}
 BOOTSTRAP_MODULE = "pdtopo.runtime.bootstrap"
 ROUTER_MODULE = "sglang_router.launch_router"
+# proxy.kind=gateway: the sglang model gateway (package smg), the same PD flags
+GATEWAY_MODULE = "smg.launch_router"
 # runs the same router with the API key from the environment or a file, never from argv
 ROUTER_KEY_MODULE = "pdtopo.launcher.router_entry"
 API_KEY_ENV = "PDTOPO_PROXY_API_KEY"
@@ -340,8 +342,14 @@ def _bootstrap_process(topo: TopologySchema, run_dir: str, python: str,
 
 def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[str, int],
                    prefills: list[Process], decodes: list[Process]) -> list[str]:
-    module = ROUTER_KEY_MODULE if (proxy.api_key or proxy.api_key_file) else ROUTER_MODULE
-    cmd = [python, "-m", module, "--pd-disaggregation"]
+    router = GATEWAY_MODULE if proxy.kind == "gateway" else ROUTER_MODULE
+    if proxy.api_key or proxy.api_key_file:
+        cmd = [python, "-m", ROUTER_KEY_MODULE]
+        if router != ROUTER_MODULE:
+            cmd += ["--router-module", router]
+    else:
+        cmd = [python, "-m", router]
+    cmd += ["--pd-disaggregation"]
     for p in prefills:
         cmd += ["--prefill", p.url, str(p.ports["zmq"])]
     for d in decodes:
@@ -360,7 +368,11 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
                     else ["--retry-max-retries", str(proxy.retries)])
         if not proxy.circuit_breaker:
             cmd += ["--disable-circuit-breaker"]
+        if proxy.kind == "gateway":
+            cmd += ["--shutdown-grace-period-secs", str(proxy.shutdown_grace_s),
+                    "--log-level", "warn"]
     cmd += ["--request-timeout-secs", str(proxy.request_timeout_s)]
+    cmd += [str(a) for a in proxy.extra_args]
     return cmd  # an API key travels in the environment (proxy_key_env), not in argv
 
 
@@ -369,10 +381,10 @@ def _proxy_process(topo: TopologySchema, proxy: ProxySchema, servers: list[Proce
     host, address = validate.host_address(topo, "topology.proxy.host", topo.proxy.host)
     ports = {"http": topo.proxy.port}
     keys = {"http": "topology.proxy.port"}
-    if proxy.kind == "rust":
+    if proxy.kind in ("rust", "gateway"):
         if topo.proxy.prometheus_port is None:
             raise validate.TopologyError("topology.proxy.prometheus_port", None,
-                                         "the rust router needs a prometheus port")
+                                         f"the {proxy.kind} proxy needs a prometheus port")
         ports["prometheus"] = topo.proxy.prometheus_port
         keys["prometheus"] = "topology.proxy.prometheus_port"
     prefills = [p for p in servers if p.role == "prefill" and p.leader]

@@ -45,6 +45,16 @@ def address_error(address: str) -> str | None:
     return None
 
 
+# router flags the plan writes from typed keys: extra_args may not set them a second time
+PROXY_OWNED_FLAGS = (
+    "--pd-disaggregation", "--prefill", "--decode", "--host", "--port", "--prometheus-host",
+    "--prometheus-port", "--prefill-policy", "--decode-policy", "--policy", "--mini-lb",
+    "--health-check-interval-secs", "--health-failure-threshold", "--health-check-timeout-secs",
+    "--retry-max-retries", "--disable-retries", "--disable-circuit-breaker",
+    "--request-timeout-secs", "--shutdown-grace-period-secs", "--log-level", "--api-key",
+)
+
+
 def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
     if topo.mode not in MODES:
         raise TopologyError("topology.mode", topo.mode, f"unknown mode (known: {', '.join(MODES)})")
@@ -57,8 +67,8 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
     for key_field, offered in PROXY_POLICIES[proxy.kind].items():
         value = getattr(proxy, key_field)
         if value not in offered:
-            hint = (" (mini_lb routes at random only; use proxy=rust for round_robin or "
-                    "cache_aware)" if proxy.kind == "mini_lb" else "")
+            hint = (" (mini_lb routes at random only; use proxy=rust or proxy=gateway for "
+                    "round_robin or cache_aware)" if proxy.kind == "mini_lb" else "")
             raise TopologyError(f"proxy.{key_field}", value,
                                 f"not a policy of the {proxy.kind} proxy (it offers: "
                                 f"{', '.join(offered)}){hint}")
@@ -66,7 +76,8 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
         if proxy.kind == "mini_lb" and getattr(proxy, key_field):
             raise TopologyError(f"proxy.{key_field}", "***" if key_field == "api_key"
                                 else proxy.api_key_file,
-                                "mini_lb does not check API keys; use proxy=rust or drop the key")
+                                "mini_lb does not check API keys; use proxy=rust, proxy=gateway "
+                                "or drop the key")
     if proxy.api_key and proxy.api_key_file:
         raise TopologyError("proxy.api_key_file", proxy.api_key_file,
                             "give the key once: proxy.api_key or proxy.api_key_file, not both")
@@ -74,6 +85,18 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
                 "request_timeout_s"):
         if getattr(proxy, key) < 1:
             raise TopologyError(f"proxy.{key}", getattr(proxy, key), "must be at least 1")
+    if proxy.extra_args and proxy.kind == "mini_lb":
+        raise TopologyError("proxy.extra_args", list(proxy.extra_args),
+                            "mini_lb takes no extra flags; use proxy=rust or proxy=gateway")
+    for i, arg in enumerate(proxy.extra_args):
+        name = str(arg).split("=", 1)[0]
+        if name in PROXY_OWNED_FLAGS:
+            raise TopologyError(f"proxy.extra_args.{i}", arg,
+                                "pdtopo sets this flag itself; use its proxy.* or "
+                                "topology.proxy.* key instead")
+    if proxy.shutdown_grace_s < 0:
+        raise TopologyError("proxy.shutdown_grace_s", proxy.shutdown_grace_s,
+                            "must be 0 (stop at once) or more seconds")
     if proxy.retries is not None and proxy.retries < 0:
         raise TopologyError("proxy.retries", proxy.retries,
                             "must be null (router default), 0 (no retries) or a positive count")
