@@ -12,7 +12,7 @@ import random
 from scheduler_fakes import FakeRunner, FakeTokenizer, make_ctx, reference, run_until_idle
 
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
-from pdtopo.runtime.engine.scheduler import Scheduler
+from pdtopo.runtime.engine.scheduler import Scheduler, token_usage
 from tests.e2e_support import baseline_problems
 
 PS = 4
@@ -185,6 +185,31 @@ def test_flush_frees_what_no_request_holds_and_the_rest_after_it_finishes():
     assert out["flushed_pages"] > 0 and out["tree_pages"] == 0
     st = s.stats() if s.publish_stats() is None else None
     assert st["free_pages"] == st["total_pages"] and st["tree_pages"] == 0
+    assert_baseline(s)
+
+
+def test_token_usage_counts_what_requests_hold_not_the_cache():
+    """sglang:token_usage (what routers compare with their overload ceilings) leaves out the
+    pages only the cache holds; pages a running request shares with the cache count."""
+    s, _ = make()
+    serve(s, [mk("a", SYSTEM + [1])])
+    s.publish_stats()
+    st = s.stats()
+    assert st["tree_pages"] > 0 and st["evictable_pages"] == st["tree_pages"]
+    assert token_usage(st) == 0.0
+    assert s.metrics.token_usage._value.get() == 0.0
+    held = mk("b", SYSTEM + [2], n=12)
+    s.submit(held)
+    s.drain_inbox()
+    s.run_batch(s.schedule())
+    s._evictable = (-1e9, 0)  # recount now, not EVICTABLE_REFRESH_S later
+    s.publish_stats()
+    st = s.stats()
+    shared = len(SYSTEM) // PS  # b matched every full page of the system prompt
+    assert st["evictable_pages"] == st["tree_pages"] - shared
+    used = st["total_pages"] - st["free_pages"] - st["evictable_pages"]
+    assert used == len(held.page_ids) and token_usage(st) == used / st["total_pages"]
+    step_until_idle(s)
     assert_baseline(s)
 
 

@@ -40,7 +40,7 @@ class EngineMetrics:
                                labelnames=list(lab), registry=reg).labels(**lab)
         self.gen_throughput = Gauge("sglang:gen_throughput", "Generation throughput (token/s)",
                                     labelnames=list(lab), registry=reg).labels(**lab)
-        self.token_usage = Gauge("sglang:token_usage", "Fraction of KV pool pages in use",
+        self.token_usage = Gauge("sglang:token_usage", "Fraction of KV pool pages requests hold (pages only the prefix cache holds count as free)",
                                  labelnames=list(lab), registry=reg).labels(**lab)
         self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens processed",
                                      labelnames=list(lab), registry=reg).labels(**lab)
@@ -57,6 +57,10 @@ class EngineMetrics:
                                        "Prompt tokens prefilled (computed)", registry=reg)
         self.tree_pages = Gauge("pdtopo:prefix_cache_pages", "KV pages held by the prefix cache",
                                 registry=reg)
+        self.evictable_pages = Gauge(
+            "pdtopo:prefix_cache_evictable_pages",
+            "KV pages only the prefix cache holds (freed on demand; not in sglang:token_usage)",
+            registry=reg)
         self.free_pages = Gauge("pdtopo:free_pages", "Free KV pool pages", registry=reg)
         self.total_pages = Gauge("pdtopo:total_pages", "Usable KV pool pages", registry=reg)
         self.preemptions = Counter("pdtopo:preemptions", "Requests preempted (recomputed)",

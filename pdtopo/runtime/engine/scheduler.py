@@ -65,6 +65,7 @@ from pdtopo.runtime.engine.sampling import RowParams, Sampler
 log = logging.getLogger("pdtopo.scheduler")
 
 _STOP = object()
+EVICTABLE_REFRESH_S = 0.5  # how often a busy scheduler recounts the pages only its cache holds
 
 
 @dataclass
@@ -73,6 +74,14 @@ class ScheduledBatch:
     reqs: list[Req]
     chunks: list[Any]
     completes: list[bool] = field(default_factory=list)  # prefill: last chunk of the sequence?
+
+
+def token_usage(stats: dict[str, Any]) -> float:
+    """sglang's `token_usage`: the share of the pool requests hold. Pages only the prefix cache
+    holds do not count (they are free on demand): a P with a warm cache is not a busy P, and
+    routers that leave out workers above a usage ceiling must not see it as one."""
+    total = max(1, stats["total_pages"])
+    return max(0.0, (total - stats["free_pages"] - stats.get("evictable_pages", 0)) / total)
 
 
 class Scheduler:
@@ -112,6 +121,7 @@ class Scheduler:
         self.num_cached_tokens = 0    # prompt tokens whose KV came from the prefix cache
         self._page_check: tuple[int, list[str]] = (-1, [])  # (allocator version, problems)
         self._tput_window: deque[tuple[float, int]] = deque()
+        self._evictable: tuple[float, int] = (-1e9, 0)  # (when counted, tree-only pages)
         self.alive = True
         self.publish_stats()
 
@@ -532,6 +542,19 @@ class Scheduler:
                 self.process_new_token(req, int(tokens[i]))
 
     # ------------------------------------------------------------------ stats
+    def _evictable_pages(self, now: float) -> int:
+        """Pages only the prefix cache holds (it frees them on demand). With no request alive
+        that is the whole tree; otherwise the count walks the tree, so it is refreshed at most
+        every EVICTABLE_REFRESH_S (a load signal, read by routers every few seconds)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        if not self.reqs:
+            self._evictable = (now, cache.num_pages)
+        elif now - self._evictable[0] >= EVICTABLE_REFRESH_S:
+            self._evictable = (now, cache.num_evictable())
+        return min(self._evictable[1], cache.num_pages)
+
     def publish_stats(self) -> None:
         now = time.monotonic()
         win = self._tput_window
@@ -541,6 +564,7 @@ class Scheduler:
         dt = now - win[0][0]
         tput = (self.num_generated - win[0][1]) / dt if dt > 0 else 0.0
         num_tokens = sum(r.seq_len for r in self.running) + sum(r.seq_len for r in self.waiting)
+        evictable = self._evictable_pages(now)
         stats = {
             "free_pages": self.allocator.num_free,
             "total_pages": self.allocator.num_total,
@@ -557,6 +581,7 @@ class Scheduler:
             "tree_pages": self.prefix_cache.num_pages if self.prefix_cache is not None else 0,
             "cached_tokens": self.num_cached_tokens,
             "evicted_pages": self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
+            "evictable_pages": evictable,
             # checked only when idle, and again only after the pool changed (the full check
             # runs in tests at any time)
             "page_problems": None if self.reqs else self._idle_page_problems(),
@@ -571,6 +596,7 @@ class Scheduler:
         m.gen_throughput.set(tput)
         m.free_pages.set(stats["free_pages"])
         m.total_pages.set(stats["total_pages"])
-        m.token_usage.set(1.0 - stats["free_pages"] / max(1, stats["total_pages"]))
+        m.token_usage.set(token_usage(stats))
         m.tree_pages.set(stats["tree_pages"])
+        m.evictable_pages.set(stats["evictable_pages"])
         m.set_cache_hits(self.num_cached_tokens, self.num_cached_tokens + self.num_prefill_tokens)

@@ -16,7 +16,7 @@ from typing import Any
 from pdtopo.runtime.engine.metrics import EngineMetrics
 
 SUMMED = ("num_running", "num_queue", "gen_throughput", "free_pages", "total_pages",
-          "tree_pages")
+          "tree_pages", "evictable_pages")
 _HIT_COUNTS = ("cache_cached", "cache_looked_up")  # per engine, for the process's hit rate
 
 
@@ -32,10 +32,12 @@ class GaugeBoard:
         with self._lock:
             self._values[gauge][engine] = float(value)
             getattr(self.base, gauge).set(sum(self._values[gauge].values()))
-            if gauge in ("free_pages", "total_pages"):
+            if gauge in ("free_pages", "total_pages", "evictable_pages"):
                 free = sum(self._values["free_pages"].values())
                 total = sum(self._values["total_pages"].values())
-                self.base.token_usage.set(1.0 - free / total if total else 0.0)
+                evictable = sum(self._values["evictable_pages"].values())
+                self.base.token_usage.set(max(0.0, 1.0 - (free + evictable) / total)
+                                          if total else 0.0)
 
     def set_cache_hits(self, engine: str, cached: int, looked_up: int) -> None:
         """The process's hit rate from every engine's prompt tokens (cached / looked up)."""
