@@ -12,7 +12,12 @@ once). Pairs, each baseline measured in the same run:
    the prefill pools sized to hold about half of the conversations (the case cache-aware
    routing exists for: spread over both P's, every conversation needs room on both and the
    caches thrash; kept on one P, each P needs half); plus the rust router (sglang-router
-   0.3.2) with cache_aware, which in PD mode keeps no affinity (docs/prefix-cache.md);
+   0.3.2) with cache_aware, which in PD mode keeps no affinity (docs/prefix-cache.md). This
+   pair serves 9 conversations (`--pd-conversations`): with a count divisible by the number of
+   P and every conversation's next turn sent as its answer arrives, the turns reach the router
+   in nearly the same order each round, so round robin hands a conversation the same P turn
+   after turn by accident (measured with 8: round robin's hit ratio 0.29-0.48 across runs,
+   cache_aware's 0.73); real traffic has no such alignment, and an odd count removes it;
 4. 1P1D, disaggregation.decode_prefix_cache false vs true (D's own cache: P sends only the
    pages D lacks).
 
@@ -144,6 +149,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--context", type=int, default=1000, help="tokens of each conversation's "
                     "context (its system prompt)")
+    ap.add_argument("--pd-conversations", type=int, default=9,
+                    help="conversations of the 2P2D routing pair (odd by default: see the "
+                    "module docstring)")
     ap.add_argument("--only", default=None, help="run only the configurations whose name "
                     "matches this regular expression (ratios print where both sides ran)")
     args = ap.parse_args()
@@ -152,8 +160,9 @@ def main() -> None:
     def chosen(name: str) -> bool:
         return wanted is None or bool(wanted.search(name))
 
-    print(f"multiturn: {args.conversations} conversations x {args.turns} turns, "
-          f"{args.context}-token contexts, 32-token messages, 16-token answers")
+    print(f"multiturn: {args.conversations} conversations ({args.pd_conversations} for the 2P2D "
+          f"routing pair) x {args.turns} turns, {args.context}-token contexts, 32-token "
+          "messages, 16-token answers")
     res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pdtopo-bench-prefix-") as tmp:
         for cache in ("false", "true"):
@@ -169,7 +178,7 @@ def main() -> None:
             finally:
                 colo.stop()
 
-        def pd(name: str, extra: list[str]) -> None:
+        def pd(name: str, extra: list[str], run_args: argparse.Namespace = args) -> None:
             if not chosen(name):
                 return
             dep = DetachedDeployment(Path(tmp) / re.sub(r"[^A-Za-z0-9_]", "_", name),
@@ -182,19 +191,24 @@ def main() -> None:
                 urls = {role: [f"http://{p['address']}:{p['ports']['http']}" for p in procs
                                if p["role"] == role] for role in ("prefill", "decode")}
                 print(f"  ({name}: launched and healthy in {time.perf_counter() - t0:.0f} s)")
-                res[name] = measure(name, dep.proxy_url, args, urls["prefill"], urls["decode"])
+                res[name] = measure(name, dep.proxy_url, run_args, urls["prefill"],
+                                    urls["decode"])
             finally:
                 dep.stop()
 
         pd("1P1D cache=false", ["engine.prefix_cache=false"])
         pd("1P1D cache=true", [])
-        half = args.conversations // 2 * (-(-(args.context + args.turns * 48) // PAGE)) + 64
+        routing = argparse.Namespace(**{**vars(args), "conversations": args.pd_conversations})
+        # each P's pool holds its half of the conversations (rounded up) and 64 pages more
+        half = (-(-routing.conversations // 2) * (-(-(args.context + args.turns * 48) // PAGE))
+                + 64)
         for proxy, policy in (("gateway", "round_robin"), ("gateway", "cache_aware"),
                               ("rust", "cache_aware")):
             pd(f"2P2D {proxy} {policy}", ["topology=2p2d_cpu", f"proxy={proxy}",
                                           f"proxy.policy={policy}",
                                           f"topology.prefill.engine.num_pages={half}",
-                                          *(GATEWAY_CPU if proxy == "gateway" else [])])
+                                          *(GATEWAY_CPU if proxy == "gateway" else [])],
+               routing)
         pd("1P1D decode_cache=true", ["disaggregation.decode_prefix_cache=true"])
 
     print("\nratios (baseline measured in this run):")

@@ -56,6 +56,8 @@ CASES = {
                                  "prefix_hash"]),
     "gateway_negative_grace": (["proxy=gateway", "proxy.shutdown_grace_s=-1"],
                                ["proxy.shutdown_grace_s", "-1", "must be 0"]),
+    "gateway_grace_past_the_kill": (["proxy=gateway", "proxy.shutdown_grace_s=15"],
+                                    ["proxy.shutdown_grace_s", "15", "kills a program 15 s"]),
     "extra_arg_owned_by_pdtopo": (['proxy.extra_args=["--cache-threshold","0.5","--port=1"]'],
                                   ["proxy.extra_args.2", "'--port=1'",
                                    "pdtopo sets this flag itself"]),

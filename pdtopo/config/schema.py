@@ -34,6 +34,9 @@ PROXY_POLICIES = {
     "mini_lb": {"policy": ("random",), "decode_policy": ("random",)},
 }
 PORT_KINDS = ("http", "transfer", "zmq")
+# supervisord kills a program this many seconds after asking it to stop (every program's
+# stopwaitsecs); a proxy's own shutdown grace must end before that
+PROGRAM_STOP_WAIT_S = 15
 
 
 class TopologyError(ValueError):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 from pdtopo.config.run_files import TOKEN_ENV
+from pdtopo.config.schema import PROGRAM_STOP_WAIT_S
 from pdtopo.launcher.plan import Plan, Process
 
 SOCKET_NAME = "supervisor.sock"
@@ -27,7 +28,7 @@ PIN_MODULE = "pdtopo.launcher.pin"
 class ProgramSettings:
     startsecs: int = 2
     startretries: int = 3
-    stopwaitsecs: int = 15
+    stopwaitsecs: int = PROGRAM_STOP_WAIT_S
     stopsignal: str = "TERM"
 
 

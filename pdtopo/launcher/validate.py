@@ -17,6 +17,7 @@ from pdtopo.config.schema import (
     MODES,
     PLATFORMS,
     PORT_KINDS,
+    PROGRAM_STOP_WAIT_S,
     PROXY_KINDS,
     PROXY_POLICIES,
     ProxySchema,
@@ -94,9 +95,10 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
             raise TopologyError(f"proxy.extra_args.{i}", arg,
                                 "pdtopo sets this flag itself; use its proxy.* or "
                                 "topology.proxy.* key instead")
-    if proxy.shutdown_grace_s < 0:
+    if not 0 <= proxy.shutdown_grace_s < PROGRAM_STOP_WAIT_S:
         raise TopologyError("proxy.shutdown_grace_s", proxy.shutdown_grace_s,
-                            "must be 0 (stop at once) or more seconds")
+                            f"must be 0 (stop at once) to {PROGRAM_STOP_WAIT_S - 1} seconds (supervisord "
+                            f"kills a program {PROGRAM_STOP_WAIT_S} s after asking it to stop)")
     if proxy.retries is not None and proxy.retries < 0:
         raise TopologyError("proxy.retries", proxy.retries,
                             "must be null (router default), 0 (no retries) or a positive count")
