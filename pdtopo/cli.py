@@ -5,6 +5,9 @@
                                                     also RUN/k8s/ (GKE manifests)
   pdtopo status [RUN_DIR] | stop [RUN_DIR]          operate on a run (latest by default)
   pdtopo logs PROGRAM [RUN_DIR] [-f]
+  pdtopo drain PROGRAM|ROLE [RUN_DIR] [--undo] [--force]   take instances out of the router,
+                                                    let their requests finish (launcher/rolling.py)
+  pdtopo restart PROGRAM|ROLE [RUN_DIR] [--force]   drain, restart, put back; one at a time
   pdtopo diff [--format rich|markdown] <overrides A> -- <overrides B>
   pdtopo diff --rev GITREV [--format ...] <overrides>
   pdtopo bench [URL] [--output FILE] [bench.KEY=VALUE ...]  benchmark a proxy/server (latest run)
@@ -23,7 +26,7 @@ from pdtopo.bench.cli import main as bench_main
 from pdtopo.config.compose import compose_config, conf_dir
 from pdtopo.config.run_files import resolve_run_dir
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher import diff, display, operate
+from pdtopo.launcher import diff, display, operate, rolling
 from pdtopo.launcher.hosts import resolve_host_run
 from pdtopo.launcher.hydra_app import run_app
 from pdtopo.launcher.k8s_job import FORMATS, render_k8s_job
@@ -62,9 +65,18 @@ def _run_dir_verb(verb: str, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"pdtopo {verb}")
     if verb == "logs":
         parser.add_argument("program")
+    if verb in ("drain", "restart"):
+        parser.add_argument("target", metavar="PROGRAM|ROLE",
+                            help="a prefill/decode program (prefill_0) or a role (prefill)")
     parser.add_argument("run_dir", nargs="?", default=None)
     if verb == "logs":
         parser.add_argument("-f", "--follow", action="store_true")
+    if verb == "drain":
+        parser.add_argument("--undo", action="store_true",
+                            help="put drained instances back into the router")
+    if verb in ("drain", "restart"):
+        parser.add_argument("--force", action="store_true",
+                            help="also when no other instance of the role is serving")
     args = parser.parse_args(argv)
     try:
         run = resolve_host_run(resolve_run_dir(args.run_dir))
@@ -75,6 +87,9 @@ def _run_dir_verb(verb: str, argv: list[str]) -> int:
         return operate.status(run)
     if verb == "stop":
         return operate.stop(run)
+    if verb in ("drain", "restart"):
+        return rolling.run(verb, run, args.target, undo=getattr(args, "undo", False),
+                           force=args.force)
     return operate.logs(run, args.program, args.follow)
 
 
@@ -131,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(rest)
     if verb == "render":
         return _render(rest)
-    if verb in ("status", "stop", "logs"):
+    if verb in ("status", "stop", "logs", "drain", "restart"):
         return _run_dir_verb(verb, rest)
     if verb == "diff":
         return _diff(rest)

@@ -92,6 +92,7 @@ class LauncherSettings:
     compilation_cache_dir: str | None = MISSING
     server_module: str = MISSING
     allow_incompatible_roles: bool = MISSING
+    drain_timeout_s: float = MISSING
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bootstrap.heartbeat_ttl_s": _POSITIVE,
     "bootstrap.register_timeout_s": _POSITIVE,
     "launcher.health_timeout_s": _POSITIVE,
+    "launcher.drain_timeout_s": _POSITIVE,
     "launcher.startsecs": _at_least(0),
     "launcher.startretries": _at_least(0),
 }

@@ -5,7 +5,8 @@
 the error handlers (`errors.py`: client errors are 400s naming the field) and includes the two
 route tables: `native_routes.router` (POST /generate, health, server/model info, /v1/models,
 /get_load, /metrics, /pdtopo/state, /flush_cache) and `openai_api.router` (/v1/completions,
-/v1/chat/completions). A handler validates and tokenizes its body, submits `Req`s to the
+/v1/chat/completions), plus `drain_routes` (POST /pdtopo/drain and the in-flight count its
+middleware keeps). A handler validates and tokenizes its body, submits `Req`s to the
 scheduler (`ServerState.submit`), and awaits their sinks or streams their outputs as SSE.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from pdtopo.runtime.api import native_routes, openai_api
+from pdtopo.runtime.api import drain_routes, native_routes, openai_api
 from pdtopo.runtime.api.errors import install_error_handlers
 from pdtopo.runtime.api.state import ServerState
 
@@ -24,4 +25,6 @@ def create_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(native_routes.router)
     app.include_router(openai_api.router)
+    app.include_router(drain_routes.router)
+    app.add_middleware(drain_routes.InFlightMiddleware, state=state)
     return app

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdtopo.runtime.api.drain_routes import in_flight
 from pdtopo.runtime.api.errors import error_response
 from pdtopo.runtime.api.protocol import GenerateRequest, parse_body
 from pdtopo.runtime.api.routing import (
@@ -181,6 +182,9 @@ async def health(state: ServerDep) -> JSONResponse:
         return error_response(503, "engine is loading")
     if state.scheduler is None or not state.scheduler.alive:
         return error_response(503, "engine scheduler has stopped")
+    if state.draining:
+        return error_response(503, "draining (pdtopo drain): the router is to stop choosing "
+                              "this server; requests still arriving are served")
     return JSONResponse({"status": "ok"})
 
 
@@ -284,4 +288,5 @@ async def pdtopo_state(state: ServerDep):
     stats = state.scheduler.stats() if state.scheduler is not None else {}
     return {"ready": state.ready, "role": state.ctx.role, "name": state.ctx.name,
             "disaggregation_mode": DISAGG_MODE.get(state.ctx.role, state.ctx.role),
-            "load_error": state.load_error, **stats}
+            "load_error": state.load_error, "draining": state.draining,
+            "in_flight": in_flight(state), "http_in_flight": state.http_in_flight, **stats}

@@ -79,6 +79,10 @@ class ServerState:
         self.scheduler = None
         self.runner = None
         self.ready = False
+        # both owned by the server's event loop: set by POST /pdtopo/drain, and the number of
+        # inference requests (/generate, /v1/...) whose response has not been fully sent
+        self.draining = False
+        self.http_in_flight = 0
         self.load_error: str | None = None
         self.created = int(time.time())
 

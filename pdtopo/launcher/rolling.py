@@ -1,0 +1,291 @@
+"""`pdtopo drain` and `pdtopo restart` on a running PD deployment, one instance at a time.
+
+    pdtopo drain PROGRAM|ROLE [RUN_DIR] [--undo] [--force]
+    pdtopo restart PROGRAM|ROLE [RUN_DIR] [--force]
+
+A target is a server program of the plan (`prefill_1`; a follower names its whole instance) or a
+role (`prefill`, `decode`: every instance of it, in order). For each instance:
+
+1. drain: `POST /pdtopo/drain` on its leader (the deployment token from RUN/token) turns its
+   `/health` to 503; the router's health checks take it out of the choice (watched in the
+   router's `/workers` list where it reports health, else the time its health checks need:
+   interval x failures + timeout);
+2. wait until its in-flight requests are done (`/pdtopo/state` `in_flight`), at most
+   `launcher.drain_timeout_s`;
+3. restart only: stop and start the instance's programs through supervisord, wait for the
+   leader's `/health` (at most `launcher.health_timeout_s`), then for the router to choose it
+   again (its `/workers` entry healthy, or two health-check intervals).
+
+`drain` leaves the instance out of the router (`--undo` puts it back without a restart). An
+instance is drained only while another instance of its role is serving, unless `--force` (then
+that role has no server until it is back). Mode pd, one host, rust or gateway proxy only.
+Every step prints what it waits for and how long it took.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from pdtopo.config.schema import ProxySchema, typed_proxy
+from pdtopo.config.settings import LauncherSettings, runtime_settings
+from pdtopo.launcher import display
+from pdtopo.launcher.health import probe
+from pdtopo.launcher.hosts import deployment_token
+from pdtopo.launcher.plan import Plan, Process
+from pdtopo.launcher.supervisor_control import Supervisor, SupervisorError
+
+POLL_S = 0.25
+SERVER_ROLES = ("prefill", "decode")
+
+
+class OperationError(RuntimeError):
+    """A drain/restart that cannot start or did not finish; the message says which and why."""
+
+
+@dataclass
+class Deployment:
+    """What drain/restart read from a run directory."""
+
+    run_dir: Path
+    plan: Plan
+    proxy: ProxySchema
+    launcher: LauncherSettings
+    token: str
+    proxy_url: str | None
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Deployment:
+        try:
+            plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+            cfg = OmegaConf.load(run_dir / "config.yaml")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise OperationError(f"{run_dir}: not a readable pdtopo run ({exc})") from None
+        if cfg.get("topology", {}).get("mode") != "pd":
+            raise OperationError(f"{run_dir}: drain and restart need a PD deployment (topology."
+                                 f"mode={cfg.topology.mode!r}); stop and launch it again instead")
+        hosts = {p.host for p in plan.processes}
+        if len(hosts) > 1:
+            raise OperationError(f"{run_dir}: a multi-host run ({', '.join(sorted(hosts))}); "
+                                 "drain and restart work on one-host runs this release")
+        proxy = typed_proxy(cfg)
+        if proxy.kind == "mini_lb":
+            raise OperationError("proxy.kind=mini_lb: MiniLB has no health checks, so a drained "
+                                 "server cannot be taken out of it; use proxy=rust or gateway")
+        token = deployment_token(run_dir)
+        if not token:
+            raise OperationError(f"{run_dir}: no deployment token (RUN/token)")
+        proxies = [p for p in plan.processes if p.role == "proxy"]
+        url = f"http://{proxies[0].address}:{proxies[0].ports['http']}" if proxies else None
+        return cls(run_dir, plan, proxy, runtime_settings(cfg).launcher, token, url)
+
+    def leaders(self, role: str) -> list[Process]:
+        return [p for p in self.plan.processes
+                if p.role == role and getattr(p, "leader", True) is not False]
+
+    def instance(self, leader: Process) -> list[Process]:
+        return [p for p in self.plan.processes if p.instance_id == leader.instance_id]
+
+    def targets(self, target: str) -> list[Process]:
+        """The leaders the target names, in order; OperationError for anything else."""
+        if target in SERVER_ROLES:
+            found = self.leaders(target)
+            if not found:
+                raise OperationError(f"this deployment has no {target} instance")
+            return found
+        by_name = self.plan.by_name()
+        proc = by_name.get(target)
+        if proc is None or proc.role not in SERVER_ROLES:
+            names = [p.name for p in self.plan.processes if p.role in SERVER_ROLES]
+            raise OperationError(f"{target!r} is not a prefill/decode program or role of this "
+                                 f"deployment (programs: {', '.join(names)}; roles: prefill, "
+                                 "decode)")
+        return [p for p in self.leaders(proc.role) if p.instance_id == proc.instance_id]
+
+
+def _request(url: str, *, body: dict | None = None, token: str | None = None,
+             timeout: float = 5.0) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:300]
+        raise OperationError(f"{url}: HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise OperationError(f"{url}: {exc}") from None
+
+
+def router_health(proxy_url: str | None, worker_url: str) -> bool | None:
+    """The router's view of one worker: True/False from its `/workers` list, None when the
+    router does not list it with a health flag."""
+    if proxy_url is None:
+        return None
+    try:
+        body = _request(f"{proxy_url}/workers", timeout=2.0)
+    except OperationError:
+        return None
+    for w in body.get("workers", []) if isinstance(body, dict) else []:
+        if isinstance(w, dict) and w.get("url") == worker_url and "is_healthy" in w:
+            return bool(w["is_healthy"])
+    return None
+
+
+def wait_until(check: Callable[[], bool], timeout: float) -> tuple[bool, float]:
+    t0 = time.monotonic()
+    while True:
+        if check():
+            return True, time.monotonic() - t0
+        if time.monotonic() - t0 >= timeout:
+            return False, time.monotonic() - t0
+        time.sleep(POLL_S)
+
+
+class Operator:
+    """Drains and restarts instances of one deployment, printing every step."""
+
+    def __init__(self, dep: Deployment, say: Callable[[str], None]) -> None:
+        self.dep = dep
+        self.say = say
+        self.sv = Supervisor(dep.run_dir)
+        p = dep.proxy
+        self.exclusion_s = (p.health_check_interval_s * p.health_failure_threshold
+                            + p.health_check_timeout_s + 1.0)
+        self.readmission_s = 2 * p.health_check_interval_s + p.health_check_timeout_s + 1.0
+
+    def check_others_serve(self, leader: Process, force: bool) -> None:
+        others = [p for p in self.dep.leaders(leader.role) if p.instance_id != leader.instance_id]
+        serving = [p for p in others if self._serving(p)]
+        if serving or force:
+            return
+        raise OperationError(
+            f"{leader.name}: no other {leader.role} instance is serving "
+            f"({', '.join(p.name for p in others) or 'it is the only one'}); draining it would "
+            f"leave the router no {leader.role} server. Add --force to accept that")
+
+    def _serving(self, proc: Process) -> bool:
+        try:
+            state = _request(f"{proc.url}/pdtopo/state", timeout=2.0)
+        except OperationError:
+            return False
+        return probe(proc.health_url, timeout=2.0) and not state.get("draining", False)
+
+    def set_draining(self, leader: Process, value: bool) -> dict:
+        return _request(f"{leader.url}/pdtopo/drain", body={"drain": value},
+                        token=self.dep.token)
+
+    def drain(self, leader: Process) -> int:
+        """Take the instance out of the router and wait for its requests; returns how many
+        were still in flight when `launcher.drain_timeout_s` ran out (0: drained)."""
+        answer = self.set_draining(leader, True)
+        http = int(answer.get("http_in_flight", 0))
+        engine = int(answer.get("in_flight", 0)) - http
+        self.say(f"{leader.name}: draining ({http} HTTP requests open, {engine} requests in the "
+                 "engine)")
+        url = leader.url
+        if router_health(self.dep.proxy_url, url) is None:
+            time.sleep(self.exclusion_s)
+            self.say(f"{leader.name}: out of the router (waited its health checks' "
+                     f"{self.exclusion_s:.0f} s)")
+        else:
+            out, took = wait_until(lambda: router_health(self.dep.proxy_url, url) is False,
+                                   self.exclusion_s + 5.0)
+            if not out:
+                raise OperationError(f"{leader.name}: the router still lists it healthy "
+                                     f"{took:.0f} s after /health turned 503")
+            self.say(f"{leader.name}: out of the router after {took:.1f} s")
+        last = {"in_flight": None}
+
+        def idle() -> bool:
+            try:
+                last["in_flight"] = _request(f"{url}/pdtopo/state", timeout=2.0)["in_flight"]
+            except (OperationError, KeyError):
+                return False
+            return last["in_flight"] == 0
+
+        done, took = wait_until(idle, self.dep.launcher.drain_timeout_s)
+        if done:
+            self.say(f"{leader.name}: drained: nothing in flight after {took:.1f} s")
+            return 0
+        left = int(last["in_flight"] or 0)
+        self.say(f"{leader.name}: {left} requests still in flight after "
+                 f"launcher.drain_timeout_s={self.dep.launcher.drain_timeout_s:g} s")
+        return left
+
+    def restart(self, leader: Process) -> None:
+        procs = self.dep.instance(leader)
+        names = [p.name for p in procs]
+        t0 = time.monotonic()
+        try:
+            for name in reversed(names):  # followers first, the leader last
+                self.sv.call("supervisor.stopProcess", name, True)
+            for name in names:
+                self.sv.call("supervisor.startProcess", name, False)
+        except (SupervisorError, OSError) as exc:
+            raise OperationError(f"{leader.name}: supervisord could not restart "
+                                 f"{', '.join(names)}: {exc}") from None
+        self.say(f"{leader.name}: restarted {', '.join(names)}; waiting for /health "
+                 f"(at most launcher.health_timeout_s={self.dep.launcher.health_timeout_s:g} s)")
+        healthy, took = wait_until(lambda: probe(leader.health_url, timeout=2.0),
+                                   self.dep.launcher.health_timeout_s)
+        if not healthy:
+            raise OperationError(f"{leader.name}: not healthy {took:.0f} s after its restart; "
+                                 f"see `pdtopo logs {leader.name}`")
+        self.say(f"{leader.name}: healthy {time.monotonic() - t0:.1f} s after the stop")
+        self.readmit(leader)
+
+    def readmit(self, leader: Process) -> None:
+        url = leader.url
+        if router_health(self.dep.proxy_url, url) is None:
+            time.sleep(self.readmission_s)
+            self.say(f"{leader.name}: back in the router (waited two health-check intervals, "
+                     f"{self.readmission_s:.0f} s)")
+            return
+        back, took = wait_until(lambda: router_health(self.dep.proxy_url, url) is True,
+                                self.readmission_s + 10.0)
+        if not back:
+            raise OperationError(f"{leader.name}: healthy, but the router has not chosen it "
+                                 f"again after {took:.0f} s")
+        self.say(f"{leader.name}: back in the router after {took:.1f} s")
+
+
+def run(verb: str, run_dir: Path, target: str, *, undo: bool = False,
+        force: bool = False) -> int:
+    """The CLI verbs `drain` and `restart`: 0 when every instance is done, 1 otherwise."""
+    con = display.console()
+    say = con.print
+    try:
+        dep = Deployment.load(run_dir)
+        leaders = dep.targets(target)
+        op = Operator(dep, say)
+        t0 = time.monotonic()
+        left = 0
+        for leader in leaders:
+            if verb == "drain" and undo:
+                op.set_draining(leader, False)
+                say(f"{leader.name}: draining undone")
+                op.readmit(leader)
+                continue
+            op.check_others_serve(leader, force)
+            left += op.drain(leader)
+            if verb == "restart":
+                op.restart(leader)
+    except OperationError as exc:
+        con.print(f"[bold red]pdtopo {verb}:[/] {exc}")
+        return 1
+    what = "drained" if verb == "drain" and not undo else (
+        "back in service" if undo else "restarted")
+    say(f"{', '.join(p.name for p in leaders)} {what} in {time.monotonic() - t0:.1f} s"
+        + (f" ({left} requests were still in flight)" if left else ""))
+    return 1 if left and verb == "drain" else 0
