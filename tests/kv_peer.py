@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--role", choices=["prefill", "decode"], required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--zmq-port", type=int, default=0)
+    ap.add_argument("--transfer-port", type=int, default=0)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--num-pages", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=4)
@@ -163,7 +164,7 @@ def main() -> None:
         kv_caches = [jax.device_put(h, sharding) for h in host]
 
     runner = Runner()
-    engine = JaxTransferKVEngine("127.0.0.1", 0, transfer_sockets=args.sockets,
+    engine = JaxTransferKVEngine("127.0.0.1", args.transfer_port, transfer_sockets=args.sockets,
                                  transfer_size_mb=1, pull_workers=4,
                                  fault_injection_prob=args.fault_prob, seed=0,
                                  sweep_interval_s=0.25)

@@ -35,7 +35,7 @@ def peers(tmp_path):
     started: list[PeerProcess] = []
 
     def start(role: str, *extra: str, devices: int = 1) -> PeerProcess:
-        if role == "prefill":
+        if role == "prefill" and "--zmq-port" not in extra:
             extra = ("--zmq-port", str(free_port()), *extra)
         p = PeerProcess(role, *extra, devices=devices,
                         log_path=tmp_path / f"{role}-{len(started)}.log")
@@ -122,3 +122,28 @@ def test_killed_prefill_fails_within_timeout(peers):
     assert "room 1" in w1["error"] and "room 2" in w2["error"]
     # D keeps working: nothing was scattered, pool untouched
     assert not D.dump(range(SHAPE[0])).any()
+
+
+def test_pull_after_the_prefill_restarted_at_the_same_address(peers):
+    """D's cached transfer connection to a P that was replaced by a new process at the same
+    address (what a restart under supervisord does) is found closed, replaced, and the pull
+    retried once: the first room after the restart succeeds instead of failing with
+    "Connection closed"."""
+    ports = ("--zmq-port", str(free_port()), "--transfer-port", str(free_port()))
+    P = peers("prefill", *ports)
+    D = peers("decode")
+    _transfer(P, D, 1, [3, 4], [5, 6])
+    assert D.wait(1, 60)["state"] == "Success"
+    P.kill9()
+    P2 = peers("prefill", *ports)
+    t0 = time.monotonic()
+    for room in range(2, 40):  # until D's side channel has reconnected to the new P
+        _transfer(P2, D, room, [7, 8], [9, 10])
+        r = D.wait(room, 60)
+        error = r.get("error") or ""
+        if r["state"] == "Success" or not ("unreachable" in error or "disconnected" in error):
+            break
+        assert time.monotonic() - t0 < 20, r
+        time.sleep(0.5)
+    assert r["state"] == "Success", r
+    np.testing.assert_array_equal(D.dump([9, 10]), expected_pool({9: 7, 10: 8})[:, [9, 10]])

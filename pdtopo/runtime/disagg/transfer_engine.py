@@ -19,7 +19,8 @@ D (any thread):        fut = engine.pull(peer_transfer_addr, uuid, specs, timeou
                        forever on a dead peer or an unknown uuid). On timeout the connection is
                        poisoned and dropped from the cache and the future fails with
                        `KVTransferTimeout` naming room and peer. Any error drops the connection
-                       so the next pull reconnects.
+                       so the next pull reconnects; a cached connection found closed (its P
+                       restarted at the same address) is replaced and the pull retried once.
 
 Specs must equal what P announced (shape, dtype, sharding): the transfer matches raw shard
 buffers by index and size only. The caller checks that (base.check_packed_meta) before pulling.
@@ -51,6 +52,11 @@ log = logging.getLogger(__name__)
 
 class KVTransferTimeout(KVTransferError, TimeoutError):
     """A pull did not complete before its deadline."""
+
+
+def _stale(exc: BaseException) -> bool:
+    """The error of a pull over a connection whose socket the peer had closed."""
+    return "connection closed" in str(exc).lower()
 
 
 def _poison_connection(conn: Any) -> None:
@@ -205,13 +211,16 @@ class JaxTransferKVEngine:
         return gone
 
     # ------------------------------------------------------------------ D side
-    def _connection(self, peer: str) -> Any:
+    def _connection(self, peer: str) -> tuple[Any, bool]:
+        """(connection to peer, whether it was made just now rather than taken from the
+        cache)."""
         with self._lock:
             conn = self._conns.get(peer)
-            if conn is None:
-                conn = self._server.connect(peer)
-                self._conns[peer] = conn
-            return conn
+            if conn is not None:
+                return conn, False
+            conn = self._server.connect(peer)
+            self._conns[peer] = conn
+            return conn, True
 
     def _drop_connection(self, peer: str, conn: Any, *, poison: bool) -> None:
         with self._lock:
@@ -277,16 +286,28 @@ class JaxTransferKVEngine:
             if p.future.done():
                 return
             self.faults.check(f"pull of room {p.room} from {p.peer}")
-            conn = self._connection(p.peer)
-            with _SETTLE_LOCK:  # the watchdog poisons p.conn iff it was set before timing out
-                if p.future.done():
-                    return
-                p.conn = conn
-            arrays = conn.pull(p.uuid, specs)
-            # Blocks until the data is in (or the pull failed). A pull that never completes
-            # (dead peer, unknown uuid) is ended by the watchdog: at the deadline it poisons the
-            # connection, which makes these arrays fail and this call raise.
-            jax.block_until_ready(arrays)
+            for attempt in range(2):
+                conn, fresh = self._connection(p.peer)
+                with _SETTLE_LOCK:  # the watchdog poisons p.conn iff set before timing out
+                    if p.future.done():
+                        return
+                    p.conn = conn
+                try:
+                    arrays = conn.pull(p.uuid, specs)
+                    # Blocks until the data is in (or the pull failed). A pull that never
+                    # completes (dead peer, unknown uuid) is ended by the watchdog: at the
+                    # deadline it poisons the connection, which makes this call raise.
+                    jax.block_until_ready(arrays)
+                    break
+                except Exception as e:
+                    # A cached connection to a P that restarted since (same address, new
+                    # process) fails with "Connection closed" before anything is read: that
+                    # P never saw the pull, so one retry on a new connection is safe.
+                    if fresh or attempt or p.future.done() or not _stale(e):
+                        raise
+                    log.info("room %s: cached transfer connection to %s was closed (%s); "
+                             "pulling again on a new one", p.room, p.peer, e)
+                    self._drop_connection(p.peer, conn, poison=False)
             self._settle(p, result=arrays)
         except KVTransferError as e:
             self._settle(p, exc=e)
