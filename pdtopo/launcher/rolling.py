@@ -194,17 +194,9 @@ class Operator:
         self.say(f"{leader.name}: draining ({http} HTTP requests open, {engine} requests in the "
                  "engine)")
         url = leader.url
-        if router_health(self.dep.proxy_url, url) is None:
-            time.sleep(self.exclusion_s)
-            self.say(f"{leader.name}: out of the router (waited its health checks' "
-                     f"{self.exclusion_s:.0f} s)")
-        else:
-            out, took = wait_until(lambda: router_health(self.dep.proxy_url, url) is False,
-                                   self.exclusion_s + 5.0)
-            if not out:
-                raise OperationError(f"{leader.name}: the router still lists it healthy "
-                                     f"{took:.0f} s after /health turned 503")
-            self.say(f"{leader.name}: out of the router after {took:.1f} s")
+        self._await_router(leader, healthy=False, bound_s=self.exclusion_s, slack_s=5.0,
+                           failure="the router still lists it healthy {took:.0f} s after "
+                                   "/health turned 503")
         last = {"in_flight": None}
 
         def idle() -> bool:
@@ -246,18 +238,25 @@ class Operator:
         self.readmit(leader)
 
     def readmit(self, leader: Process) -> None:
-        url = leader.url
-        if router_health(self.dep.proxy_url, url) is None:
-            time.sleep(self.readmission_s)
-            self.say(f"{leader.name}: back in the router (waited two health-check intervals, "
-                     f"{self.readmission_s:.0f} s)")
+        self._await_router(leader, healthy=True, bound_s=self.readmission_s, slack_s=10.0,
+                           failure="healthy, but the router has not chosen it again after "
+                                   "{took:.0f} s")
+
+    def _await_router(self, leader: Process, *, healthy: bool, bound_s: float,
+                      slack_s: float, failure: str) -> None:
+        """Wait until the router lists the leader (un)healthy, or, for a router that does not
+        list its workers' health, for the time its health checks need (`bound_s`)."""
+        where = "back in" if healthy else "out of"
+        if router_health(self.dep.proxy_url, leader.url) is None:
+            time.sleep(bound_s)
+            self.say(f"{leader.name}: {where} the router (waited its health checks' "
+                     f"{bound_s:.0f} s)")
             return
-        back, took = wait_until(lambda: router_health(self.dep.proxy_url, url) is True,
-                                self.readmission_s + 10.0)
-        if not back:
-            raise OperationError(f"{leader.name}: healthy, but the router has not chosen it "
-                                 f"again after {took:.0f} s")
-        self.say(f"{leader.name}: back in the router after {took:.1f} s")
+        done, took = wait_until(lambda: router_health(self.dep.proxy_url, leader.url) is healthy,
+                                bound_s + slack_s)
+        if not done:
+            raise OperationError(f"{leader.name}: " + failure.format(took=took))
+        self.say(f"{leader.name}: {where} the router after {took:.1f} s")
 
 
 def run(verb: str, run_dir: Path, target: str, *, undo: bool = False,
