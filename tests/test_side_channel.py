@@ -149,6 +149,38 @@ def test_room_ownership(pair):
         other.close()
 
 
+def test_forget_applies_before_the_next_message(pair):
+    """A message sent after forget() returned is dropped, even while the I/O thread is in the
+    middle of reading a burst for that room (forget used to wait behind the read loop)."""
+    p, d = pair
+    burst = 200
+    for room in range(100, 105):
+        before = d.stats().get("dropped", 0)
+        d.send_to(p.address, m.Want(room=room))
+        owner = _get(p.events).peer
+        for i in range(burst):
+            p.send(owner, m.Failed(room=room, reason=f"known {i}"))
+        assert _get(d.events).msg.reason == "known 0"
+        d.forget(room)
+        p.send(owner, m.Failed(room=room, reason="after forget"))
+        seen = ["known 0"]
+        deadline = time.monotonic() + 10
+        while (len(seen) + d.stats().get("dropped", 0) - before < burst + 1
+               and time.monotonic() < deadline):
+            seen.extend(e.msg.reason for e in _drain(d.events))
+            time.sleep(0.01)
+        seen.extend(e.msg.reason for e in _drain(d.events))
+        assert len(seen) + d.stats()["dropped"] - before == burst + 1
+        assert "after forget" not in seen
+
+
+def _drain(q) -> list:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
 def test_oversized_send_refused(pair, caplog):
     p, d = pair
     big = m.Failed(room=1, reason="x" * 5000)

@@ -92,6 +92,7 @@ class SideChannel:
         self._peer_fds: dict[bytes, int] = {}        # ROUTER: D identity -> its connection fd
         self._owners: dict[int, bytes] = {}      # ROUTER: room -> D identity
         self._expected: dict[int, str] = {}      # DEALER: room -> P endpoint asked
+        self._forgotten: queue.SimpleQueue[int] = queue.SimpleQueue()  # owner -> I/O thread
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -129,7 +130,11 @@ class SideChannel:
         return peer
 
     def forget(self, room: int) -> None:
-        self._put(("forget", room))
+        """Stop accepting messages for `room`. Applied before the I/O thread accepts its next
+        message, so a message that arrives after this call returns is always dropped."""
+        if self._stop.is_set():
+            raise RuntimeError(f"{self.name}: side channel is closed")
+        self._forgotten.put(room)
 
     def stats(self) -> dict[str, int]:
         with self._stats_lock:
@@ -271,6 +276,7 @@ class SideChannel:
                       msg.room, peer.kind, peer.key, e)
 
     def _accept(self, peer: Peer, raw: bytes) -> None:
+        self._apply_forgets()
         try:
             msg = m.decode(raw, self.max_bytes)
         except m.MessageError as e:
@@ -346,9 +352,15 @@ class SideChannel:
                 return
             if item[0] == "send":
                 self._do_send(item[1], item[2])
-            elif item[0] == "forget":
-                self._owners.pop(item[1], None)
-                self._expected.pop(item[1], None)
+
+    def _apply_forgets(self) -> None:
+        while True:
+            try:
+                room = self._forgotten.get_nowait()
+            except queue.Empty:
+                return
+            self._owners.pop(room, None)
+            self._expected.pop(room, None)
 
     def _run(self) -> None:
         self._poller = zmq.Poller()
@@ -361,6 +373,7 @@ class SideChannel:
                 ready = dict(self._poller.poll(200))
                 if not ready:
                     continue
+                self._apply_forgets()
                 self._drain_outbox()
                 if self._router is not None and self._router in ready:
                     self._recv_router()
