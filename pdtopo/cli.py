@@ -8,6 +8,7 @@
   pdtopo drain PROGRAM|ROLE [RUN_DIR] [--undo] [--force]   take instances out of the router,
                                                     let their requests finish (launcher/rolling.py)
   pdtopo restart PROGRAM|ROLE [RUN_DIR] [--force]   drain, restart, put back; one at a time
+  pdtopo top [RUN_DIR] [--interval S] [--once]     live per-program table from /metrics
   pdtopo diff [--format rich|markdown] <overrides A> -- <overrides B>
   pdtopo diff --rev GITREV [--format ...] <overrides>
   pdtopo bench [URL] [--output FILE] [bench.KEY=VALUE ...]  benchmark a proxy/server (latest run)
@@ -26,7 +27,7 @@ from pdtopo.bench.cli import main as bench_main
 from pdtopo.config.compose import compose_config, conf_dir
 from pdtopo.config.run_files import resolve_run_dir
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher import diff, display, operate, rolling
+from pdtopo.launcher import diff, display, operate, rolling, top
 from pdtopo.launcher.hosts import resolve_host_run
 from pdtopo.launcher.hydra_app import run_app
 from pdtopo.launcher.k8s_job import FORMATS, render_k8s_job
@@ -71,6 +72,11 @@ def _run_dir_verb(verb: str, argv: list[str]) -> int:
     parser.add_argument("run_dir", nargs="?", default=None)
     if verb == "logs":
         parser.add_argument("-f", "--follow", action="store_true")
+    if verb == "top":
+        parser.add_argument("--interval", type=float, default=2.0,
+                            help="seconds between the two samples rates come from")
+        parser.add_argument("--once", action="store_true",
+                            help="print one table (two samples --interval apart) and exit")
     if verb == "drain":
         parser.add_argument("--undo", action="store_true",
                             help="put drained instances back into the router")
@@ -87,6 +93,10 @@ def _run_dir_verb(verb: str, argv: list[str]) -> int:
         return operate.status(run)
     if verb == "stop":
         return operate.stop(run)
+    if verb == "top":
+        if args.interval <= 0:
+            parser.error(f"--interval must be > 0, got {args.interval:g}")
+        return top.run(run, args.interval, args.once)
     if verb in ("drain", "restart"):
         return rolling.run(verb, run, args.target, undo=getattr(args, "undo", False),
                            force=args.force)
@@ -146,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(rest)
     if verb == "render":
         return _render(rest)
-    if verb in ("status", "stop", "logs", "drain", "restart"):
+    if verb in ("status", "stop", "logs", "drain", "restart", "top"):
         return _run_dir_verb(verb, rest)
     if verb == "diff":
         return _diff(rest)

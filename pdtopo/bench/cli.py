@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output", "-o", default=None, help="write the metrics JSON here")
     parser.add_argument("--run-dir", default=None, help="bench this run (default: latest)")
     parser.add_argument("args", nargs="*", help="[URL] and Hydra overrides (bench.KEY=VALUE)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # URL --output F bench.k=v, in any order
     urls = [a for a in args.args if a.startswith(("http://", "https://"))]
     overrides = [a for a in args.args if a not in urls]
     err = Console(stderr=True, highlight=False)

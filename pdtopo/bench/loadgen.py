@@ -44,6 +44,7 @@ class RequestResult:
     prompt_tokens: int | None = None         # as reported by the server
     cached_tokens: int | None = None         # prompt tokens served by a prefix cache (server)
     output_ids: list[int] = field(default_factory=list)
+    timeline: dict[str, float] | None = None  # D's meta_info.pd_timeline (ms), PD servers only
     error: str | None = None                 # kind: http_503, timeout, connection, ...
     error_detail: str = ""
 
@@ -112,6 +113,8 @@ async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest,
                     res.prompt_tokens = pt
                 if isinstance(ct, int):
                     res.cached_tokens = ct
+                if isinstance(meta.get("pd_timeline"), dict):
+                    res.timeline = meta["pd_timeline"]
         if seen == 0:
             res.error, res.error_detail = "no_tokens", "stream ended without output tokens"
     except httpx.TimeoutException as exc:

@@ -55,9 +55,23 @@ def metrics_table(metrics: dict, title: str | None = None) -> Group:
         lines.append(f"launch to healthy {metrics['launch_to_healthy_s']:.1f} s")
     style = "red" if req["failed"] else ""
     parts = [lat, *(Text(line, style=style if i == 0 else "") for i, line in enumerate(lines))]
+    if s.get("ttft_breakdown_ms"):
+        parts.append(breakdown_table(s["ttft_breakdown_ms"]))
     if s.get("by_tag"):
         parts.append(tag_table(s["by_tag"]))
     return Group(*parts)
+
+
+def breakdown_table(breakdown: dict) -> Table:
+    """Where a PD request's time to first token went (D's pd_timeline, plus the client's rest)."""
+    n = int(breakdown.get("requests", {}).get("p50") or 0)
+    t = Table(title=f"TTFT by stage (ms, {n} PD requests)", title_justify="left")
+    for col in ("stage", "p50", "p99"):
+        t.add_column(col, justify="left" if col == "stage" else "right")
+    for stage, d in breakdown.items():
+        if stage != "requests":
+            t.add_row(stage, fmt(d.get("p50"), 2), fmt(d.get("p99"), 2))
+    return t
 
 
 def tag_table(by_tag: dict) -> Table:

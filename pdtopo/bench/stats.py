@@ -110,6 +110,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo,
         "itl_ms": distribution(itls),
         "tpot_ms": distribution(tpots),
         "e2e_ms": distribution([r.end - r.start for r in done]),
+        "ttft_breakdown_ms": ttft_breakdown(done),
         "goodput": {"requests": n_good, "rps": n_good / dur,
                     "fraction": n_good / len(results) if results else math.nan,
                     "slo": {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms}},
@@ -119,6 +120,31 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo,
         out["by_tag"] = {t: summarize([r for r in results if r.tag == t], duration_s, slo,
                                       by_tag=False) for t in tags}
     return _finite(out)
+
+
+# the stages of a PD request's time to first token, in order (pdtopo/runtime/disagg/
+# pd_timeline.py), then what the client waited beyond D's own TTFT
+BREAKDOWN = ("p_queue", "p_prefill", "p_send", "transit", "d_pull_queue", "d_transfer",
+             "d_scatter", "d_first_token", "d_ttft", "proxy_network")
+
+
+def ttft_breakdown(done: Sequence[RequestResult]) -> dict[str, dict[str, float | None]] | None:
+    """p50/p99 per TTFT stage over the requests whose server reported a PD timeline, with
+    `proxy_network` = the client's TTFT - D's own (the router, HTTP and the client); None for
+    servers without one (colocated)."""
+    timed = [r for r in done if r.timeline and r.token_times]
+    if not timed:
+        return None
+    out = {}
+    for stage in BREAKDOWN:
+        if stage == "proxy_network":
+            ms = [ttft(r) * 1e3 - r.timeline["d_ttft"] for r in timed if "d_ttft" in r.timeline]
+        else:
+            ms = [r.timeline[stage] for r in timed if stage in r.timeline]
+        out[stage] = {"p50": percentile(ms, 50) if ms else None,
+                      "p99": percentile(ms, 99) if ms else None}
+    out["requests"] = {"p50": float(len(timed)), "p99": None}
+    return out
 
 
 def _finite(obj):

@@ -14,6 +14,8 @@ PLAN_FILE = "plan.json"            # the plan (every program of the deployment)
 CONF_FILE = "supervisord.conf"     # 0600: holds the token
 TOKEN_FILE = "token"               # 0600
 LOG_DIR = "logs"
+PROMETHEUS_FILE = "prometheus.yml"          # scrape config of the programs (this host's)
+DASHBOARD_FILE = "grafana-dashboard.json"   # a Grafana dashboard over those metrics
 TOKEN_ENV = "PDTOPO_DEPLOYMENT_TOKEN"  # how the token reaches a program (supervisord env)
 
 

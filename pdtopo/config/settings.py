@@ -93,6 +93,7 @@ class LauncherSettings:
     server_module: str = MISSING
     allow_incompatible_roles: bool = MISSING
     drain_timeout_s: float = MISSING
+    prometheus_scrape_interval_s: float = MISSING
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bootstrap.register_timeout_s": _POSITIVE,
     "launcher.health_timeout_s": _POSITIVE,
     "launcher.drain_timeout_s": _POSITIVE,
+    "launcher.prometheus_scrape_interval_s": _POSITIVE,
     "launcher.startsecs": _at_least(0),
     "launcher.startretries": _at_least(0),
 }

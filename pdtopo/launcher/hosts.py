@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from pdtopo.config.run_files import TOKEN_ENV
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.plan import Plan
-from pdtopo.launcher.run_dir import resolved_config
+from pdtopo.launcher.run_dir import monitoring_files, resolved_config
 
 HOSTS_DIR = "hosts"
 HOST_KEY = "host"  # `+host=NAME` on the command line
@@ -127,6 +127,8 @@ def write_global(run_dir: Path, cfg: DictConfig, plan: Plan, token: str) -> None
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(resolved_config(cfg))
     (run / "plan.json").write_text(plan.to_json())
+    for name, text in monitoring_files(cfg, plan).items():  # every host's programs
+        (run / name).write_text(text)
     fd = os.open(run / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(token + "\n")

@@ -134,7 +134,7 @@ def render_job(cfg: DictConfig, run_dir: Path) -> int:
         for name in prepared.plan.hosts():
             part = prepare(cfg, hosts.host_dir(run_dir, name), token=prepared.token, host=name)
             write_run_dir(hosts.host_dir(run_dir, name), cfg, part.full_plan or part.plan,
-                          part.conf_text, part.token)
+                          part.conf_text, part.token, monitored=part.plan)
             con.print(f"  {name}: {len(part.plan.processes)} programs in "
                       f"{hosts.host_dir(run_dir, name)}")
         con.print(f"rendered [bold]{prepared.plan.topology}[/] "
@@ -191,7 +191,8 @@ def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
 def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
                      prepared: Prepared) -> int:
     plan = prepared.plan
-    write_run_dir(run_dir, cfg, prepared.full_plan or plan, prepared.conf_text, prepared.token)
+    write_run_dir(run_dir, cfg, prepared.full_plan or plan, prepared.conf_text, prepared.token,
+                  monitored=plan)
     con = display.console()
     con.print(f"launching [bold]{plan.topology}[/] from {run_dir}")
     sv = Supervisor(run_dir)

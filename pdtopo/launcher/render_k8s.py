@@ -103,7 +103,10 @@ def _container(s: K8sSettings, name: str, command: list[str], env: list[dict[str
 
 
 def _pod_template(s: K8sSettings, component: str, container: dict[str, Any],
-                  config_hash: str, *, tpu: dict[str, Any] | None = None) -> dict[str, Any]:
+                  config_hash: str, *, tpu: dict[str, Any] | None = None,
+                  metrics_port: int | None = None) -> dict[str, Any]:
+    """`metrics_port`: where the pod serves Prometheus /metrics (the prometheus.io/*
+    annotations that annotation-based scrape configs discover pods by)."""
     spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [{"name": RUN_VOLUME, "configMap": {"name": s.name("run")}}],
@@ -115,8 +118,11 @@ def _pod_template(s: K8sSettings, component: str, container: dict[str, Any],
         chips = str(tpu["chips"])
         container["resources"] = {"requests": {TPU_RESOURCE: chips},
                                   "limits": {TPU_RESOURCE: chips}}
-    return {"metadata": {"labels": labels(s, component),
-                         "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
+    annotations = {CONFIG_HASH_ANNOTATION: config_hash}
+    if metrics_port is not None:
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/path": "/metrics",
+                            "prometheus.io/port": str(metrics_port)})
+    return {"metadata": {"labels": labels(s, component), "annotations": annotations},
             "spec": spec}
 
 
@@ -127,8 +133,10 @@ def _server_template(group: RoleGroup, leader: bool, config_hash: str,
     container = _container(s, group.role, group.command(GROUP_REF, worker),
                            _env(s, group.env(GROUP_REF, worker), indices=True),
                            group.ports(worker))
+    serves = leader or group.size == 1  # followers serve no /metrics
     return _pod_template(s, group.role, container, config_hash,
-                         tpu={"node_selector": node_selector, "chips": group.chips})
+                         tpu={"node_selector": node_selector, "chips": group.chips},
+                         metrics_port=group.ports(worker).get("http") if serves else None)
 
 
 def leader_worker_set(group: RoleGroup, config_hash: str,
@@ -153,7 +161,8 @@ def _deployment(s: K8sSettings, proc: Process, config_hash: str,
             "metadata": _meta(s, proc.host, proc.role),
             "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                      "selector": {"matchLabels": _selector(s, proc.role)},
-                     "template": _pod_template(s, proc.role, container, config_hash)}}
+                     "template": _pod_template(s, proc.role, container, config_hash,
+                                               metrics_port=proc.ports.get("prometheus"))}}
 
 
 def _service(s: K8sSettings, name: str, component: str, ports: dict[str, int],

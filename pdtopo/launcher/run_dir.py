@@ -1,9 +1,10 @@
 """The run directory of a deployment: writing it, and finding it again.
 
 `write_run_dir` lays out RUN/config.yaml (composed, resolved, no hydra node, proxy.api_key
-redacted), plan.json,
-supervisord.conf (0600: it holds the token), token (0600) and logs/ (names in
-`pdtopo.config.run_files`, which also finds a run dir again).
+redacted), plan.json, supervisord.conf (0600: it holds the token), token (0600), logs/, and
+prometheus.yml + grafana-dashboard.json for the programs this supervisord runs
+(`pdtopo.launcher.monitoring`; names in `pdtopo.config.run_files`, which also finds a run dir
+again).
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pdtopo.config.run_files import CONF_FILE, CONFIG_FILE, LOG_DIR, PLAN_FILE, TOKEN_FILE
+from pdtopo.config.run_files import (
+    CONF_FILE,
+    CONFIG_FILE,
+    DASHBOARD_FILE,
+    LOG_DIR,
+    PLAN_FILE,
+    PROMETHEUS_FILE,
+    TOKEN_FILE,
+)
+from pdtopo.config.settings import group_settings
+from pdtopo.launcher.monitoring import render_dashboard, render_prometheus
 from pdtopo.launcher.plan import Plan
 
 REDACTED = "<redacted: in supervisord.conf>"
@@ -42,13 +53,25 @@ def _write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)
 
 
-def write_run_dir(run_dir: Path, cfg: DictConfig, plan: Plan, conf_text: str, token: str) -> None:
+def monitoring_files(cfg: DictConfig, monitored: Plan) -> dict[str, str]:
+    """File name -> text of the run dir's Prometheus config and Grafana dashboard."""
+    interval = group_settings(cfg, "launcher").prometheus_scrape_interval_s
+    return {PROMETHEUS_FILE: render_prometheus(monitored, interval),
+            DASHBOARD_FILE: render_dashboard(monitored)}
+
+
+def write_run_dir(run_dir: Path, cfg: DictConfig, plan: Plan, conf_text: str, token: str,
+                  monitored: Plan | None = None) -> None:
+    """`monitored`: the programs prometheus.yml scrapes (this host's part of a multi-host
+    plan); default the whole plan."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / LOG_DIR).mkdir(exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(resolved_config(cfg))
     (run_dir / PLAN_FILE).write_text(plan.to_json())
     _write_private(run_dir / TOKEN_FILE, token + "\n")
     _write_private(run_dir / CONF_FILE, conf_text)
+    for name, text in monitoring_files(cfg, monitored or plan).items():
+        (run_dir / name).write_text(text)
 
 
 def remove_if_empty(run_dir: Path) -> None:

@@ -140,6 +140,7 @@ def generate_result(h: Handle, view: TextView, upto: ReqOutput | None = None) ->
             "cached_tokens": out.cached_tokens if out is not None else 0,
             "finish_reason": final.finish_reason if final else None,
             "e2e_latency": time.perf_counter() - h.started,
+            **({"pd_timeline": out.timeline} if out is not None and out.timeline else {}),
         },
     }
 

@@ -30,6 +30,7 @@ Decoding itself is the engine's ordinary continuous batching (pages grow as toke
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 from pdtopo.runtime.disagg.messages import prefix_digest
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
+from pdtopo.runtime.disagg.pd_timeline import decode_timeline
 from pdtopo.runtime.disagg.peers import PeerDirectory
 from pdtopo.runtime.engine.request import FinishReason, Req
 
@@ -58,7 +60,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         super().__init__(*args, **kwargs)
         self._init_disaggregation()
         lookup = self.bootstrap.find_prefill if self.bootstrap is not None else None
-        self.peers = PeerDirectory(lookup, self.registration_info)
+        self.peers = PeerDirectory(lookup, self.registration_info,
+                                   on_lookup=self.pd_metrics.lookup_seconds.observe)
         self.prealloc_queue: deque[PendingTransfer] = deque()
         self.transfer_queue: list[PendingTransfer] = []
         self.ready_queue: deque[PendingTransfer] = deque()  # KV in the pool, awaiting a slot
@@ -174,8 +177,19 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 self.ready_queue.append(p)
                 self.num_pulled_pages += p.receiver.pulled_pages
                 self.num_pulled_bytes += p.receiver.pulled_bytes
+                self._observe_transfer(p.receiver)
             elif state == KVPoll.Failed:
                 self._fail(p, p.receiver.failure_exception())
+
+    def _observe_transfer(self, receiver: Any) -> None:
+        m, t = self.pd_metrics, receiver.times
+        m.transfer_bytes.inc(receiver.pulled_bytes)
+        m.transfer_pages.inc(receiver.pulled_pages)
+        if "pull_start" in t:
+            both_there = max(t.get("ready", t["pull_start"]), t.get("pages", t["pull_start"]))
+            m.pull_queue_seconds.observe(max(0.0, t["pull_start"] - both_there))
+            if "pull_end" in t:
+                m.transfer_seconds.observe(max(0.0, t["pull_end"] - t["pull_start"]))
 
     def _process_ready_queue(self) -> None:
         while self.ready_queue and len(self.running) < self.max_running:
@@ -193,11 +207,17 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
             return
         req.num_computed = len(req.prompt_ids)
         req.cached_tokens = int(info.cached_tokens)  # P's prefix-cache hit, reported by D
+        now = time.monotonic()
+        ready_at = p.receiver.times.get("ready")
+        if ready_at is not None:
+            self.pd_metrics.handoff_seconds.observe(max(0.0, now - ready_at))
+        req.timeline = decode_timeline(req.arrival_time, p.receiver.times, info.p_stages, now)
         if not self.process_new_token(req, int(info.first_token)):
             self.add_to_running(req)
 
     def _fail(self, p: PendingTransfer, exc: BaseException | None) -> None:
         status = getattr(exc, "status", None) or 502
+        self.pd_metrics.failed(status)
         self.finish_request(p.req, FinishReason.abort(f"KV transfer failed: {exc}", status))
 
     def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
@@ -215,6 +235,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         super().finish_request(req, reason)
 
     def pd_state(self) -> dict[str, Any]:
+        self.pd_metrics.rooms_in_flight.set(len(self._pending))
         return {"pd_prealloc": len(self.prealloc_queue), "pd_transfers": len(self.transfer_queue),
                 "pd_ready": len(self.ready_queue), "pd_pulled_pages": self.num_pulled_pages,
                 "pd_pulled_bytes": self.num_pulled_bytes,

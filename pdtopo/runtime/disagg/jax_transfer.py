@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -137,10 +138,12 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
         self.failure_msg: m.Failed | None = None
         self.peer_cached_pages = 0             # D's prefix-cache claim (from its `want`)
         self.peer_prefix_hash: str | None = None
+        self.times: dict[str, float] = {}      # stage -> time.monotonic() (pd_metrics)
 
     def send(self, kv_indices: Sequence[int], *, prompt_len: int | None = None,
              first_token: int | None = None, first_logprob: float | None = None,
-             cached_tokens: int = 0, skip_pages: int = 0) -> None:
+             cached_tokens: int = 0, skip_pages: int = 0,
+             p_stages: dict[str, float] | None = None) -> None:
         """Register `kv_indices` (the prompt's pages after the first `skip_pages`, which D
         holds) for D's pull and announce them in `ready`."""
         if self._state.state.terminal:
@@ -150,7 +153,7 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
         try:
             self.ready_msg = self.mgr._register(self.room, list(kv_indices), prompt_len,
                                                 first_token, first_logprob, cached_tokens,
-                                                skip_pages)
+                                                skip_pages, p_stages or {})
         except Exception as e:
             err = e if isinstance(e, KVTransferError) else KVTransferError(
                 f"room {self.room}: preparing KV for transfer failed: {e}", status=500)
@@ -158,7 +161,16 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
             return
         self._state.advance(KVPoll.Transferring)
         if self.peer is not None:
-            self.mgr.channel.send(self.peer, self.ready_msg)
+            self.mgr.channel.send(self.peer, self._ready_to_send())
+            self.times["ready_sent"] = time.monotonic()
+
+    def _ready_to_send(self) -> m.Ready:
+        """`ready` with P's last stage (prefill done -> now) added to its p_stages."""
+        msg, done = self.ready_msg, self.times.get("prefill_done")
+        assert msg is not None
+        if done is None:
+            return msg
+        return replace(msg, p_stages={**msg.p_stages, "send": max(0.0, time.monotonic() - done)})
 
 
     # --------------------------------------------------------------- manager callbacks
@@ -170,12 +182,14 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
         if st == KVPoll.Bootstrapping:
             self._state.advance(KVPoll.WaitingForInput)
         if self.ready_msg is not None and not st.terminal:
-            self.mgr.channel.send(peer, self.ready_msg)
+            self.mgr.channel.send(peer, self._ready_to_send())
+            self.times.setdefault("ready_sent", time.monotonic())
         elif self.failure_msg is not None:
             self.mgr.channel.send(peer, self.failure_msg)
 
     def _on_done(self, msg: m.Done) -> None:
         if msg.ok and self.ready_msg is not None:
+            self.times["done"] = time.monotonic()
             self.mgr.engine.release(self.room)
             self._state.advance(KVPoll.Success)
             self.mgr._finish_sender(self)
@@ -216,6 +230,7 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
         self.pulled_pages = 0
         self.pulled_bytes = 0
         self._drop = 0                           # leading pulled pages D already holds
+        self.times: dict[str, float] = {}        # stage -> time.monotonic() (pd_metrics)
         self.peer = mgr.channel.send_to(self.bootstrap_addr, m.Want(
             room=room, cached_pages=self.cached_pages,
             prefix_hash=prefix_hash if self.cached_pages else None))
@@ -226,6 +241,7 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
         if self.page_ids is not None:
             raise KVTransferError(f"room {self.room}: init() called twice")
         self.page_ids = [int(i) for i in kv_indices]
+        self.times["pages"] = time.monotonic()
         self.deadline = max(self.deadline, time.monotonic() + self.mgr.kv_timeout_s)
         if self._state.state.terminal:
             return
@@ -239,6 +255,7 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
         if self.ready_info is not None or self._state.state.terminal:
             return  # P re-sent ready (answering a repeated want): never pull a uuid twice
         self.ready_info = msg
+        self.times["ready"] = time.monotonic()
         if self.page_ids is not None:
             self._start_pull()
 
@@ -276,8 +293,11 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                                       status=504)
             self._drop = extra
             self.pulled_pages = count
+            self.times["pull_start"] = time.monotonic()
             self._future = self.mgr._pull(msg, main.packed_specs(count), remaining,
                                           room=self.room)
+            if hasattr(self._future, "add_done_callback"):  # the pull thread's own end time
+                self._future.add_done_callback(self._pulled)
         except KVTransferError as e:
             self._fail(e, notify=True)
             return
@@ -296,6 +316,7 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                     f"room {self.room}: {exc}", status=502)
                 self._fail(err, notify=True)
                 return
+            self.times.setdefault("pull_end", now)
             try:
                 packed = self._future.result()
                 self.pulled_bytes = sum(int(a.nbytes) for a in packed)
@@ -305,6 +326,7 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                                            f"the pool failed: {e}", status=500), notify=True)
                 return
             self._future = None
+            self.times["scattered"] = time.monotonic()
             self.mgr.channel.send(self.peer, m.Done(room=self.room, ok=True))
             self._state.advance(KVPoll.Success)
             self.mgr._finish_receiver(self)
@@ -313,6 +335,9 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
             self._fail(KVTransferError(
                 f"room {self.room}: KV from P at {self.bootstrap_addr} did not arrive within "
                 f"kv_timeout_s={self.mgr.kv_timeout_s:g} ({what})", status=504), notify=True)
+
+    def _pulled(self, _future: Any) -> None:
+        self.times.setdefault("pull_end", time.monotonic())  # a float store: thread-safe
 
     def _fail(self, exc: KVTransferError, *, notify: bool) -> None:
         if not self._state.fail(exc):
@@ -502,7 +527,8 @@ class JaxTransferKVManager(BaseKVManager):
 
     def _register(self, room: int, page_ids: list[int], prompt_len: int | None,
                   first_token: int | None, first_logprob: float | None,
-                  cached_tokens: int = 0, skip_pages: int = 0) -> m.Ready:
+                  cached_tokens: int = 0, skip_pages: int = 0,
+                  p_stages: dict[str, float] | None = None) -> m.Ready:
         if self.runner is None:
             raise KVTransferError(f"room {room}: no runner registered (call register_runner)",
                                   status=500)
@@ -518,7 +544,8 @@ class JaxTransferKVManager(BaseKVManager):
                        expires_at=deadline, pools=(meta,),
                        prompt_len=int(prompt_len if prompt_len is not None else 0),
                        first_token=first_token, first_logprob=first_logprob,
-                       cached_tokens=int(cached_tokens), skip_pages=int(skip_pages))
+                       cached_tokens=int(cached_tokens), skip_pages=int(skip_pages),
+                       p_stages=dict(p_stages or {}))
 
     def _pull(self, msg: m.Ready, specs: list[Any], timeout_s: float, *, room: int) -> Any:
         """Start D's pull of `msg`'s KV; a Future of the pulled packed arrays."""

@@ -12,7 +12,8 @@ Every message is one JSON object, UTF-8, at most `max_bytes` long, with a protoc
 |        |           | of PackedMeta dicts: shape, dtype, page_count, page_size, sharding,    |
 |        |           | num_entries), first_token, first_logprob (optional), prompt_len,      |
 |        |           | cached_tokens (optional: prompt tokens P took from its prefix cache),  |
-|        |           | skip_pages (optional: leading prompt pages not sent: D holds them)     |
+|        |           | skip_pages (optional: leading prompt pages not sent: D holds them),    |
+|        |           | p_stages (optional: {queue, prefill, send} seconds on P's clock)       |
 | done   | D -> P    | room, ok (bool), reason (optional)                                     |
 | failed | both      | room, reason (str), status (optional HTTP status int)                  |
 
@@ -33,6 +34,10 @@ from pdtopo.runtime.disagg.base import PackedMeta
 
 PROTOCOL_VERSION = 1
 MAX_ROOM = 2**64 - 1
+# P's stages a `ready` reports (seconds, P's clock): arrival -> first prefill chunk, first
+# chunk -> prefill done, prefill done -> this ready sent (registration, and waiting for D's
+# want when it comes after the prefill)
+P_STAGES = ("queue", "prefill", "send")
 
 
 class MessageError(ValueError):
@@ -68,6 +73,8 @@ class Ready:
     first_logprob: float | None = None
     cached_tokens: int = 0
     skip_pages: int = 0
+    # P's stages of this request in seconds, each measured on P's clock (P_STAGES)
+    p_stages: dict[str, float] = field(default_factory=dict)
     type: str = field(default="ready", init=False)
 
 
@@ -178,6 +185,15 @@ def from_dict(d: Any) -> Message:
     skip = _get(d, "skip_pages", (int,), optional=True, mtype=mtype) or 0
     if skip < 0:
         raise MessageError(f"ready message: skip_pages must be >= 0, got {skip}")
+    stages = _get(d, "p_stages", (dict,), optional=True, mtype=mtype) or {}
+    for name, secs in stages.items():
+        if name not in P_STAGES:
+            raise MessageError(f"ready message: unknown p_stages entry {name!r} (known: "
+                               f"{', '.join(P_STAGES)})")
+        if isinstance(secs, bool) or not isinstance(secs, (int, float)) or \
+                not 0 <= secs < 1e6:
+            raise MessageError(f"ready message: p_stages.{name} must be seconds >= 0, got "
+                               f"{secs!r}")
     return Ready(room=room, transfer_addr=_get(d, "transfer_addr", (str,), mtype=mtype),
                  transfer_uuid=uuid,
                  expires_at=float(_get(d, "expires_at", (int, float), mtype=mtype)),
@@ -185,7 +201,8 @@ def from_dict(d: Any) -> Message:
                  prompt_len=prompt_len,
                  first_token=_get(d, "first_token", (int,), optional=True, mtype=mtype),
                  first_logprob=None if logprob is None else float(logprob),
-                 cached_tokens=cached, skip_pages=skip)
+                 cached_tokens=cached, skip_pages=skip,
+                 p_stages={k: float(v) for k, v in stages.items()})
 
 
 def decode(raw: bytes, max_bytes: int) -> Message:

@@ -17,6 +17,7 @@ from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
 from pdtopo.runtime.disagg.base import KVArgs, PoolTransferSpec
 from pdtopo.runtime.disagg.jax_transfer import JaxTransferKVManager
+from pdtopo.runtime.disagg.pd_metrics import PDMetrics
 
 log = logging.getLogger("pdtopo.disagg")
 
@@ -54,6 +55,9 @@ class DisaggregationMixinBase:
         self.kv_args = KVArgs(pools=[PoolTransferSpec.from_kv_caches(self.runner.kv_caches)])
         self.kv_manager = JaxTransferKVManager.from_context(ctx, self.kv_args)
         self.kv_manager.register_runner(self.runner)
+        channel = self.kv_manager.channel
+        self.pd_metrics = PDMetrics(self.metrics.registry,
+                                    lambda: channel.stats().get("dropped", 0))
         self.registration = self._build_registration()
         self.bootstrap = BootstrapClient(ctx.bootstrap_url, ctx.token) if ctx.bootstrap_url else None
         self._keeper: RegistrationKeeper | None = None

@@ -23,8 +23,10 @@ Lookup = Callable[[str, int], dict[str, Any]]
 
 class PeerDirectory:
     def __init__(self, lookup: Lookup | None, mine: dict[str, Any], *, ttl_s: float = 30.0,
-                 error_ttl_s: float = 2.0):
+                 error_ttl_s: float = 2.0,
+                 on_lookup: Callable[[float], None] | None = None):
         self._lookup = lookup
+        self._on_lookup = on_lookup  # seconds one bootstrap lookup took (lookup thread)
         self._mine = mine
         self.ttl_s = ttl_s
         self.error_ttl_s = error_ttl_s
@@ -56,10 +58,14 @@ class PeerDirectory:
 
     def _resolve(self, addr: str) -> tuple[str, Any]:
         host, _, port = addr.rpartition(":")
+        t0 = time.monotonic()
         try:
             entry = self._lookup(host, int(port))
         except Exception as exc:  # noqa: BLE001 - any lookup failure is reported to the client
             return "error", f"cannot resolve prefill peer {addr}: {exc}"
+        finally:
+            if self._on_lookup is not None:
+                self._on_lookup(time.monotonic() - t0)
         problems = compatibility_problems(self._mine, entry)
         if problems:
             return "error", (f"prefill instance {entry.get('instance_id')!r} at {addr} is "

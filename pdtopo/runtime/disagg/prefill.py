@@ -96,7 +96,10 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             state = sender.last_state
             if state == KVPoll.Failed:
                 log.warning("room %d: %s", sender.room, sender.failure_exception())
-            elif state != KVPoll.Success:
+                self.pd_metrics.failed(getattr(sender.failure_exception(), "status", None))
+            elif state == KVPoll.Success:
+                self._observe_handoff(sender.times)
+            else:
                 still.append(sender)
         self._inflight = still
         for rid, sender in list(self._senders.items()):
@@ -107,8 +110,26 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
                 if req is not None and not req.finished:
                     self._fail_request(req, sender)
 
+    @staticmethod
+    def _stages(req: Req, sender) -> dict[str, float]:
+        """P's queue and prefill durations (seconds, this process's clock) for D's timeline."""
+        start, done = req.prefill_start_time, sender.times.get("prefill_done")
+        if start is None or done is None:
+            return {}
+        return {"queue": max(0.0, start - req.arrival_time), "prefill": max(0.0, done - start)}
+
+    def _observe_handoff(self, t: dict[str, float]) -> None:
+        if "ready_sent" not in t:
+            return
+        if "prefill_done" in t:
+            self.pd_metrics.prefill_to_ready_seconds.observe(
+                max(0.0, t["ready_sent"] - t["prefill_done"]))
+        if "done" in t:
+            self.pd_metrics.wait_for_pull_seconds.observe(max(0.0, t["done"] - t["ready_sent"]))
+
     def _fail_request(self, req: Req, sender) -> None:
         exc = sender.failure_exception()
+        self.pd_metrics.failed(getattr(exc, "status", None))
         self.finish_request(req, FinishReason.abort(
             f"KV transfer failed: {exc}", getattr(exc, "status", None) or 502))
 
@@ -144,6 +165,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             super().on_prefill_finished(req, next_token)
             return
         req.output_ids.append(int(next_token))
+        sender.times["prefill_done"] = time.monotonic()
         if self.waits_for_decode_claim and sender.peer is None:
             # D keeps a prefix cache: its `want` says which pages it holds, so wait for it
             # (holding the pages) rather than send pages D has; bounded by kv_timeout_s
@@ -177,7 +199,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             return
         sender.send(req.page_ids[skip: self.pages_for(prompt_len)], prompt_len=prompt_len,
                     first_token=int(req.output_ids[0]), cached_tokens=req.cached_tokens,
-                    skip_pages=skip)
+                    skip_pages=skip, p_stages=self._stages(req, sender))
         if sender.poll() == KVPoll.Failed:
             exc = sender.failure_exception()
             status = getattr(exc, "status", None) or 500
@@ -221,6 +243,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         super().finish_request(req, reason)
 
     def pd_state(self) -> dict[str, Any]:
+        self.pd_metrics.rooms_in_flight.set(len(self._senders) + len(self._inflight))
         return {**super().pd_state(), "pd_inflight_senders": len(self._inflight),
                 "pd_registered_kv": self.kv_manager.num_registered(),
                 "pd_skipped_pages": self.num_skipped_pages}

@@ -190,6 +190,7 @@ class ReqOutput:
     finished: bool = False
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
+    timeline: dict[str, float] | None = None  # PD stages in ms (D: pd_timeline.py)
 
 
 class OutputSink(Protocol):
@@ -283,11 +284,13 @@ class Req:
     bootstrap_room: int | None = None
     # Timing (time.monotonic()).
     arrival_time: float = field(default_factory=time.monotonic)
+    prefill_start_time: float | None = None  # its first prefill chunk was scheduled
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_emitted: int = 0          # output tokens already handed to the sink
     cached_tokens: int = 0        # prompt tokens whose KV came from a prefix cache (P's in PD)
     num_preemptions: int = 0
+    timeline: dict[str, float] | None = None  # PD stages (ms), set by D when decoding starts
     extra: dict[str, Any] = field(default_factory=dict)  # free space for mixins
 
     @property

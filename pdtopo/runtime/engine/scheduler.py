@@ -301,7 +301,8 @@ class Scheduler:
         req.sink.emit(ReqOutput(
             rid=req.rid, new_token_ids=list(new), num_output_tokens=len(req.output_ids),
             prompt_tokens=len(req.prompt_ids), finished=req.finished,
-            finish_reason=req.finish_reason, cached_tokens=req.cached_tokens))
+            finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
+            timeline=req.timeline))
 
     def add_to_running(self, req: Req) -> None:
         req.status = ReqStatus.RUNNING
@@ -479,6 +480,8 @@ class Scheduler:
             remaining = req.seq_len - req.num_computed
             n = min(remaining, budget)
             tokens = req.all_ids[req.num_computed:req.num_computed + n]
+            if req.prefill_start_time is None:
+                req.prefill_start_time = time.monotonic()
             batch.reqs.append(req)
             batch.chunks.append(self.make_chunk(tokens, req.num_computed, req.page_ids))
             batch.completes.append(n == remaining)

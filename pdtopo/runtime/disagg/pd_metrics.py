@@ -1,0 +1,92 @@
+"""Prometheus metrics of the PD path, on the server's own registry (beside the engine's
+`sglang:` names), observed by the P and D mixins on the scheduler thread.
+
+Every duration is measured inside one process (monotonic clock), never as a difference of two
+hosts' clocks:
+
+  D  pdtopo:kv_transfer_seconds        pull start -> pulled KV in hand (the wire time)
+     pdtopo:kv_transfer_bytes_total    bytes pulled from P
+     pdtopo:kv_transfer_pages_total    pages pulled from P
+     pdtopo:kv_pull_queue_seconds      P's `ready` and D's pages both there -> pull start
+     pdtopo:handoff_seconds            P's `ready` received -> the request joins D's decode
+                                       batch with P's first token (pull queue, pull, scatter,
+                                       wait for a decode slot)
+     pdtopo:bootstrap_lookup_seconds   one lookup of a P at the bootstrap server
+  P  pdtopo:prefill_to_ready_seconds   P's prefill done -> `ready` sent (D's `want` may
+                                       arrive after the prefill)
+     pdtopo:kv_wait_for_pull_seconds   `ready` sent -> D's `done` (P holds the KV meanwhile)
+  both
+     pdtopo:pd_failures_total{reason}  rooms that ended in failure, by reason
+     pdtopo:pd_rooms_in_flight         rooms between arrival and the end of their transfer
+     pdtopo:side_channel_dropped_messages_total  malformed or unexpected ZMQ messages dropped
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                    5.0, 10.0, 30.0)
+# failure reasons (the label values of pdtopo:pd_failures_total), from the status a room's
+# failure carries
+FAILURE_REASONS = {504: "timeout", 503: "peer_gone", 500: "mismatch", 502: "transfer_error",
+                   400: "refused"}
+
+
+def failure_reason(status: int | None) -> str:
+    return FAILURE_REASONS.get(int(status or 502), "other")
+
+
+class _DroppedMessages:
+    """Collector: the side channel's own drop count, read at scrape time."""
+
+    def __init__(self, dropped: Callable[[], int]) -> None:
+        self._dropped = dropped
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("pdtopo:side_channel_dropped_messages",
+                                     "Side-channel messages dropped (malformed, oversized, "
+                                     "for an unknown room or the wrong role)")
+        family.add_metric([], float(self._dropped()))
+        yield family
+
+
+class PDMetrics:
+    def __init__(self, registry: CollectorRegistry, dropped: Callable[[], int]) -> None:
+        reg = registry
+        self.transfer_seconds = Histogram(
+            "pdtopo:kv_transfer_seconds", "D: KV pull duration (start -> data in hand)",
+            buckets=TRANSFER_BUCKETS, registry=reg)
+        self.transfer_bytes = Counter("pdtopo:kv_transfer_bytes", "D: KV bytes pulled from P",
+                                      registry=reg)
+        self.transfer_pages = Counter("pdtopo:kv_transfer_pages", "D: KV pages pulled from P",
+                                      registry=reg)
+        self.pull_queue_seconds = Histogram(
+            "pdtopo:kv_pull_queue_seconds", "D: ready and pages both there -> pull start",
+            buckets=TRANSFER_BUCKETS, registry=reg)
+        self.handoff_seconds = Histogram(
+            "pdtopo:handoff_seconds", "D: P's ready received -> the request joins the decode "
+            "batch with P's first token", buckets=TRANSFER_BUCKETS, registry=reg)
+        self.lookup_seconds = Histogram(
+            "pdtopo:bootstrap_lookup_seconds", "D: one lookup of a P at the bootstrap server",
+            buckets=TRANSFER_BUCKETS, registry=reg)
+        self.prefill_to_ready_seconds = Histogram(
+            "pdtopo:prefill_to_ready_seconds", "P: prefill done -> ready sent to D",
+            buckets=TRANSFER_BUCKETS, registry=reg)
+        self.wait_for_pull_seconds = Histogram(
+            "pdtopo:kv_wait_for_pull_seconds", "P: ready sent -> D's done (KV held for D)",
+            buckets=TRANSFER_BUCKETS, registry=reg)
+        self.failures = Counter("pdtopo:pd_failures", "PD rooms that failed, by reason",
+                                labelnames=["reason"], registry=reg)
+        for reason in sorted(set(FAILURE_REASONS.values())):
+            self.failures.labels(reason=reason)  # every reason is exported, 0 until it happens
+        self.rooms_in_flight = Gauge("pdtopo:pd_rooms_in_flight",
+                                     "PD rooms between arrival and the end of their transfer",
+                                     registry=reg)
+        reg.register(_DroppedMessages(dropped))
+
+    def failed(self, status: int | None) -> None:
+        self.failures.labels(reason=failure_reason(status)).inc()
