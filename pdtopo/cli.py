@@ -9,6 +9,8 @@
                                                     let their requests finish (launcher/rolling.py)
   pdtopo restart PROGRAM|ROLE [RUN_DIR] [--force]   drain, restart, put back; one at a time
   pdtopo top [RUN_DIR] [--interval S] [--once]     live per-program table from /metrics
+  pdtopo scale prefill=N decode=M [RUN_DIR]         add or remove instances of a running PD
+                                                    deployment (launcher/scale.py)
   pdtopo diff [--format rich|markdown] <overrides A> -- <overrides B>
   pdtopo diff --rev GITREV [--format ...] <overrides>
   pdtopo bench [URL] [--output FILE] [bench.KEY=VALUE ...]  benchmark a proxy/server (latest run)
@@ -27,7 +29,7 @@ from pdtopo.bench.cli import main as bench_main
 from pdtopo.config.compose import compose_config, conf_dir
 from pdtopo.config.run_files import resolve_run_dir
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher import diff, display, operate, rolling, top
+from pdtopo.launcher import diff, display, operate, rolling, scale, top
 from pdtopo.launcher.hosts import resolve_host_run
 from pdtopo.launcher.hydra_app import run_app
 from pdtopo.launcher.k8s_job import FORMATS, render_k8s_job
@@ -103,6 +105,23 @@ def _run_dir_verb(verb: str, argv: list[str]) -> int:
     return operate.logs(run, args.program, args.follow)
 
 
+def _scale(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: pdtopo scale prefill=N decode=M [RUN_DIR]  (either count or both)")
+        return 0
+    counts = [a for a in argv if "=" in a]
+    rest = [a for a in argv if "=" not in a]
+    if len(rest) > 1:
+        print(f"pdtopo scale: one run dir at most, got {' '.join(rest)}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        run = resolve_host_run(resolve_run_dir(rest[0] if rest else None))
+    except FileNotFoundError as exc:
+        print(f"pdtopo scale: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return scale.run(run, counts)
+
+
 def _diff(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdtopo diff")
     parser.add_argument("--rev", default=None, help="compare conf/ at this git revision")
@@ -158,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         return _render(rest)
     if verb in ("status", "stop", "logs", "drain", "restart", "top"):
         return _run_dir_verb(verb, rest)
+    if verb == "scale":
+        return _scale(rest)
     if verb == "diff":
         return _diff(rest)
     if verb == "bench":

@@ -16,6 +16,7 @@ import pytest
 from pdtopo.launcher.supervisor_control import Supervisor
 from tests.e2e_support import (
     Deployment,
+    SteadyLoad,
     colocated_reference,
     deployment_overrides,
     generate,
@@ -29,7 +30,6 @@ pytestmark = pytest.mark.slow
 
 MODEL = ["model.num_layers=2"]
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
-LOAD_TOKENS = 16
 LONG_TOKENS = 3000  # ~10 s of decoding: decode_0 is drained while it runs
 PROMPTS = [f"Steady request {i}: tell me about rolling restarts" for i in range(4)]
 
@@ -37,50 +37,6 @@ PROMPTS = [f"Steady request {i}: tell me about rolling restarts" for i in range(
 def said(res) -> str:
     """A CLI run's stdout with rich's line wrapping undone."""
     return " ".join(res.stdout.split())
-
-
-class SteadyLoad:
-    """`workers` threads sending /generate to the proxy one after another until stopped;
-    every answer's status (or exception) is kept."""
-
-    def __init__(self, url: str, workers: int = 3) -> None:
-        self.url = url
-        self.stop_event = threading.Event()
-        self.lock = threading.Lock()
-        self.ok = 0
-        self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                        for i in range(workers)]
-
-    def _run(self, i: int) -> None:
-        n = 0
-        while not self.stop_event.is_set():
-            body = {"text": f"load {i}-{n}: " + "rolling restart " * (n % 5),
-                    "sampling_params": {"max_new_tokens": LOAD_TOKENS, "temperature": 0,
-                                        "ignore_eos": True}}
-            n += 1
-            try:
-                resp = httpx.post(f"{self.url}/generate", json=body, timeout=120)
-                good = (resp.status_code == 200
-                        and len(resp.json()["output_ids"]) == LOAD_TOKENS)
-                detail = f"{resp.status_code}: {resp.text[:200]}"
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
-                good, detail = False, repr(exc)
-            with self.lock:
-                if good:
-                    self.ok += 1
-                else:
-                    self.failures.append(detail)
-
-    def __enter__(self) -> SteadyLoad:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        for t in self.threads:
-            t.join(150)
 
 
 class LongRequest:

@@ -39,8 +39,8 @@ def test_a_follower_names_its_instance(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,reason", [
-    (["topology=colocated_cpu"], "need a PD deployment"),
-    (["proxy=mini_lb"], "MiniLB has no health checks"),
+    (["topology=colocated_cpu"], "works on PD deployments"),
+    (["proxy=mini_lb"], "MiniLB has a fixed worker list and no health checks"),
 ])
 def test_runs_it_refuses(tmp_path, overrides, reason):
     with pytest.raises(rolling.OperationError, match=reason):
@@ -51,4 +51,4 @@ def test_cli_reports_a_refusal(tmp_path, capsys):
     run = rendered(tmp_path, "topology=colocated_cpu")
     capsys.readouterr()
     assert main(["restart", "colocated_0", str(run)]) == 1
-    assert "need a PD deployment" in " ".join(capsys.readouterr().out.split())
+    assert "works on PD deployments" in " ".join(capsys.readouterr().out.split())

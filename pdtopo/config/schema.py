@@ -34,6 +34,9 @@ PROXY_POLICIES = {
     "mini_lb": {"policy": ("random",), "decode_policy": ("random",)},
 }
 PORT_KINDS = ("http", "transfer", "zmq")
+# what topology.<role>.port_overrides may set: the server ports, and on TPU the
+# TPU_PROCESS_PORT of a one-process instance
+OVERRIDE_PORT_KINDS = (*PORT_KINDS, "tpu_process")
 # supervisord kills a program this many seconds after asking it to stop (every program's
 # stopwaitsecs); a proxy's own shutdown grace must end before that
 PROGRAM_STOP_WAIT_S = 15
@@ -102,7 +105,8 @@ class RoleSchema:
     mesh: dict[str, int] = field(default_factory=lambda: {"tp": 1})  # the whole instance's mesh
     host: str | None = None
     hosts: list[str] | None = None  # one host per process (instance-major), replaces `host`
-    # instance index -> {http|transfer|zmq: port}; replaces base + k for that instance
+    # instance index -> {http|transfer|zmq|tpu_process: port}; replaces base + k for that
+    # instance (`pdtopo scale` writes one per instance, so running programs keep their ports)
     port_overrides: dict[int, dict[str, int]] = field(default_factory=dict)
     engine: RoleEngineSchema = field(default_factory=RoleEngineSchema)
 

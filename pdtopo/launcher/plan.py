@@ -266,6 +266,25 @@ def _server_ports(topo: TopologySchema, s: _Server, k: int) -> tuple[dict[str, i
     return ports, keys
 
 
+def _tpu_override(s: _Server) -> int | None:
+    if not s.leader or s.spec.processes_per_instance != 1:
+        return None
+    return s.spec.port_overrides.get(s.index, {}).get("tpu_process")
+
+
+def _tpu_port(topo: TopologySchema, s: _Server, k: int) -> int:
+    """TPU_PROCESS_PORT of the k-th server process: base + k, or a one-process instance's
+    port_overrides.<i>.tpu_process."""
+    port = _tpu_override(s)
+    return topo.ports.tpu_process_base + k if port is None else int(port)
+
+
+def _tpu_port_key(s: _Server) -> str:
+    if _tpu_override(s) is None:
+        return "topology.ports.tpu_process_base"
+    return f"topology.{s.role}.port_overrides.{s.index}.tpu_process"
+
+
 def local_process_layout(topo: TopologySchema) -> tuple[list[int], RoleSchema]:
     """Chips and role spec (mesh: engine -> devices) of the one program of mode local."""
     layout = local_layout(topo.prefill_slices, topo.decode_slices)
@@ -289,7 +308,7 @@ def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
     affinity = _host_affinity(servers, acc, cpus)
     server_module = launcher.server_module
     planned = [_server_ports(topo, s, k) for k, s in enumerate(servers)]
-    tpu_ports = [topo.ports.tpu_process_base + k for k in range(len(servers))]
+    tpu_ports = [_tpu_port(topo, s, k) for k, s in enumerate(servers)]
     out = []
     for k, s in enumerate(servers):
         ports, keys = planned[k]
@@ -297,8 +316,7 @@ def _server_processes(cfg: DictConfig, topo: TopologySchema, acc: Accelerator,
         members = [m for m, t in enumerate(servers) if t.instance_id == s.instance_id]
         distributed = None
         if acc.platform == "tpu":
-            ports["tpu_process"], keys["tpu_process"] = tpu_ports[k], \
-                "topology.ports.tpu_process_base"
+            ports["tpu_process"], keys["tpu_process"] = tpu_ports[k], _tpu_port_key(s)
         if n == 1:
             chip = chip_env(acc, s.chips, tpu_ports[k])
         else:

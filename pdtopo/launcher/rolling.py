@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,17 +35,16 @@ from omegaconf import OmegaConf
 from pdtopo.config.schema import ProxySchema, typed_proxy
 from pdtopo.config.settings import LauncherSettings, runtime_settings
 from pdtopo.launcher import display
+from pdtopo.launcher.admin_http import OperationError, admin_request, wait_until
 from pdtopo.launcher.health import probe
 from pdtopo.launcher.hosts import deployment_token
 from pdtopo.launcher.plan import Plan, Process
+from pdtopo.launcher.router_admin import RouterAdmin
+from pdtopo.launcher.run_conf import proxy_api_key
 from pdtopo.launcher.supervisor_control import Supervisor, SupervisorError
 
-POLL_S = 0.25
 SERVER_ROLES = ("prefill", "decode")
-
-
-class OperationError(RuntimeError):
-    """A drain/restart that cannot start or did not finish; the message says which and why."""
+__all__ = ["Deployment", "OperationError", "Operator", "run"]
 
 
 @dataclass
@@ -60,31 +57,34 @@ class Deployment:
     launcher: LauncherSettings
     token: str
     proxy_url: str | None
+    router: RouterAdmin
 
     @classmethod
-    def load(cls, run_dir: Path) -> Deployment:
+    def load(cls, run_dir: Path, verb: str = "drain/restart") -> Deployment:
         try:
             plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
             cfg = OmegaConf.load(run_dir / "config.yaml")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise OperationError(f"{run_dir}: not a readable pdtopo run ({exc})") from None
         if cfg.get("topology", {}).get("mode") != "pd":
-            raise OperationError(f"{run_dir}: drain and restart need a PD deployment (topology."
+            raise OperationError(f"{run_dir}: pdtopo {verb} works on PD deployments (topology."
                                  f"mode={cfg.topology.mode!r}); stop and launch it again instead")
         hosts = {p.host for p in plan.processes}
         if len(hosts) > 1:
             raise OperationError(f"{run_dir}: a multi-host run ({', '.join(sorted(hosts))}); "
-                                 "drain and restart work on one-host runs this release")
+                                 f"pdtopo {verb} works on one-host runs this release")
         proxy = typed_proxy(cfg)
         if proxy.kind == "mini_lb":
-            raise OperationError("proxy.kind=mini_lb: MiniLB has no health checks, so a drained "
-                                 "server cannot be taken out of it; use proxy=rust or gateway")
+            raise OperationError(f"proxy.kind=mini_lb: MiniLB has a fixed worker list and no "
+                                 f"health checks, so pdtopo {verb} cannot change whom it routes to; "
+                                 "use proxy=rust or gateway")
         token = deployment_token(run_dir)
         if not token:
             raise OperationError(f"{run_dir}: no deployment token (RUN/token)")
         proxies = [p for p in plan.processes if p.role == "proxy"]
         url = f"http://{proxies[0].address}:{proxies[0].ports['http']}" if proxies else None
-        return cls(run_dir, plan, proxy, runtime_settings(cfg).launcher, token, url)
+        router = RouterAdmin(url, proxy_api_key(run_dir, proxy))
+        return cls(run_dir, plan, proxy, runtime_settings(cfg).launcher, token, url, router)
 
     def leaders(self, role: str) -> list[Process]:
         return [p for p in self.plan.processes
@@ -108,48 +108,6 @@ class Deployment:
                                  f"deployment (programs: {', '.join(names)}; roles: prefill, "
                                  "decode)")
         return [p for p in self.leaders(proc.role) if p.instance_id == proc.instance_id]
-
-
-def _request(url: str, *, body: dict | None = None, token: str | None = None,
-             timeout: float = 5.0) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
-    req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:300]
-        raise OperationError(f"{url}: HTTP {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise OperationError(f"{url}: {exc}") from None
-
-
-def router_health(proxy_url: str | None, worker_url: str) -> bool | None:
-    """The router's view of one worker: True/False from its `/workers` list, None when the
-    router does not list it with a health flag."""
-    if proxy_url is None:
-        return None
-    try:
-        body = _request(f"{proxy_url}/workers", timeout=2.0)
-    except OperationError:
-        return None
-    for w in body.get("workers", []) if isinstance(body, dict) else []:
-        if isinstance(w, dict) and w.get("url") == worker_url and "is_healthy" in w:
-            return bool(w["is_healthy"])
-    return None
-
-
-def wait_until(check: Callable[[], bool], timeout: float) -> tuple[bool, float]:
-    t0 = time.monotonic()
-    while True:
-        if check():
-            return True, time.monotonic() - t0
-        if time.monotonic() - t0 >= timeout:
-            return False, time.monotonic() - t0
-        time.sleep(POLL_S)
 
 
 class Operator:
@@ -176,13 +134,13 @@ class Operator:
 
     def _serving(self, proc: Process) -> bool:
         try:
-            state = _request(f"{proc.url}/pdtopo/state", timeout=2.0)
+            state = admin_request(f"{proc.url}/pdtopo/state", timeout=2.0)
         except OperationError:
             return False
         return probe(proc.health_url, timeout=2.0) and not state.get("draining", False)
 
     def set_draining(self, leader: Process, value: bool) -> dict:
-        return _request(f"{leader.url}/pdtopo/drain", body={"drain": value},
+        return admin_request(f"{leader.url}/pdtopo/drain", body={"drain": value},
                         token=self.dep.token)
 
     def drain(self, leader: Process) -> int:
@@ -201,7 +159,7 @@ class Operator:
 
         def idle() -> bool:
             try:
-                last["in_flight"] = _request(f"{url}/pdtopo/state", timeout=2.0)["in_flight"]
+                last["in_flight"] = admin_request(f"{url}/pdtopo/state", timeout=2.0)["in_flight"]
             except (OperationError, KeyError):
                 return False
             return last["in_flight"] == 0
@@ -247,12 +205,12 @@ class Operator:
         """Wait until the router lists the leader (un)healthy, or, for a router that does not
         list its workers' health, for the time its health checks need (`bound_s`)."""
         where = "back in" if healthy else "out of"
-        if router_health(self.dep.proxy_url, leader.url) is None:
+        if self.dep.router.health(leader.url) is None:
             time.sleep(bound_s)
             self.say(f"{leader.name}: {where} the router (waited its health checks' "
                      f"{bound_s:.0f} s)")
             return
-        done, took = wait_until(lambda: router_health(self.dep.proxy_url, leader.url) is healthy,
+        done, took = wait_until(lambda: self.dep.router.health(leader.url) is healthy,
                                 bound_s + slack_s)
         if not done:
             raise OperationError(f"{leader.name}: " + failure.format(took=took))

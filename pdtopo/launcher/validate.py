@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 from pdtopo.config.schema import (
     MODES,
+    OVERRIDE_PORT_KINDS,
     PLATFORMS,
-    PORT_KINDS,
     PROGRAM_STOP_WAIT_S,
     PROXY_KINDS,
     PROXY_POLICIES,
@@ -205,9 +205,9 @@ def check_role(role: str, spec: RoleSchema) -> None:
             raise TopologyError(f"{key}.port_overrides", idx,
                                 f"instance index must be 0..{spec.instances - 1}")
         for kind in ports:
-            if kind not in PORT_KINDS:
+            if kind not in OVERRIDE_PORT_KINDS:
                 raise TopologyError(f"{key}.port_overrides.{idx}.{kind}", ports[kind],
-                                    f"unknown port kind (known: {', '.join(PORT_KINDS)})")
+                                    f"unknown port kind (known: {', '.join(OVERRIDE_PORT_KINDS)})")
 
 
 def chips_per_process(role: str, spec: RoleSchema) -> int:

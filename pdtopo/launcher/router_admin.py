@@ -1,0 +1,60 @@
+"""The router's worker registry, as sglang-router (proxy.kind=rust) and the model gateway
+(proxy.kind=gateway) both offer it: `GET /workers` lists workers with `id`, `url`,
+`worker_type` and `is_healthy`; `POST /workers {url, worker_type, bootstrap_port}` queues an
+addition; `DELETE /workers/<id>` queues a removal. Both act in the background, so callers
+wait for the list to show the change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdtopo.launcher.admin_http import OperationError, admin_request
+from pdtopo.launcher.plan import Process
+
+
+@dataclass(frozen=True)
+class RouterAdmin:
+    url: str | None          # the proxy's base URL (None: no proxy in the plan)
+    api_key: str | None = None
+
+    def workers(self) -> list[dict] | None:
+        """The router's worker list, or None when it does not answer one."""
+        if self.url is None:
+            return None
+        try:
+            body = admin_request(f"{self.url}/workers", token=self.api_key, timeout=2.0)
+        except OperationError:
+            return None
+        workers = body.get("workers") if isinstance(body, dict) else None
+        return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else None
+
+    def entry(self, worker_url: str) -> dict | None:
+        return next((w for w in self.workers() or [] if w.get("url") == worker_url), None)
+
+    def health(self, worker_url: str) -> bool | None:
+        """True/False from the router's list, None when it does not list the worker with a
+        health flag."""
+        found = self.entry(worker_url)
+        if found is None or "is_healthy" not in found:
+            return None
+        return bool(found["is_healthy"])
+
+    def listed(self, worker_url: str) -> bool:
+        return self.entry(worker_url) is not None
+
+    def add(self, leader: Process) -> None:
+        if self.url is None:
+            raise OperationError("the deployment has no proxy to add workers to")
+        spec: dict = {"url": leader.url, "worker_type": leader.role}
+        if leader.role == "prefill":
+            spec["bootstrap_port"] = int(leader.ports["zmq"])
+        admin_request(f"{self.url}/workers", body=spec, token=self.api_key)
+
+    def remove(self, leader: Process) -> None:
+        found = self.entry(leader.url)
+        if found is None:
+            return
+        if "id" not in found:
+            raise OperationError(f"the router lists {leader.url} without an id to remove it by")
+        admin_request(f"{self.url}/workers/{found['id']}", method="DELETE", token=self.api_key)

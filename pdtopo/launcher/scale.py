@@ -1,0 +1,257 @@
+"""`pdtopo scale prefill=N decode=M [RUN_DIR]`: change a running PD deployment's instance counts.
+
+    counts -> scale_plan (new config + plan, running programs unmoved)
+           -> scale in:  drain each instance that goes (highest index first), remove it from
+                         the router, stop it and remove its supervisord group
+           -> run dir:   config.yaml, plan.json, supervisord.conf and prometheus.yml
+                         describe the new shape
+           -> scale out: supervisord rereads its conf and starts the new programs only; wait
+                         for their /health (crash loops end the wait at once), add them to the
+                         router (`POST /workers`), wait until it lists them healthy
+
+A failed scale-out is rolled back: the new programs are removed from the router and from
+supervisord and the run dir is restored. A drain that does not finish within
+`launcher.drain_timeout_s` keeps the instance (drain undone) and fails the scale. Every step
+prints what it waits for and how long it took.
+
+The running router learns of workers through its API; its program entry in supervisord.conf
+lists the new set too, but supervisord keeps the command it started it with until the router
+program is restarted (not something scale does: it would cut the requests in flight).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from rich.live import Live
+
+from pdtopo.config.run_files import (
+    CONF_FILE,
+    CONFIG_FILE,
+    DASHBOARD_FILE,
+    PLAN_FILE,
+    PROMETHEUS_FILE,
+)
+from pdtopo.config.schema import TopologyError
+from pdtopo.launcher import display, run_conf
+from pdtopo.launcher.admin_http import OperationError, wait_until
+from pdtopo.launcher.health import wait_for_programs
+from pdtopo.launcher.launch import host_cpus, log_tail, program_settings
+from pdtopo.launcher.plan import API_KEY_ENV, Plan, Process
+from pdtopo.launcher.ports import port_in_use
+from pdtopo.launcher.render_supervisord import render_supervisord
+from pdtopo.launcher.rolling import Deployment, Operator
+from pdtopo.launcher.run_dir import monitoring_files, resolved_config
+from pdtopo.launcher.scale_plan import (
+    ROLES,
+    changed_leaders,
+    parse_counts,
+    role_leaders,
+    scaled_config,
+    scaled_plan,
+)
+from pdtopo.launcher.supervisor_control import SupervisorError
+
+ROUTER_CHANGE_S = 20.0  # the router applies /workers changes in the background
+SHAPE_FILES = (CONFIG_FILE, PLAN_FILE, CONF_FILE, PROMETHEUS_FILE, DASHBOARD_FILE)
+
+
+@dataclass
+class RunFiles:
+    """The files of a run dir that describe its shape: name -> text."""
+
+    texts: dict[str, str]
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunFiles:
+        return cls({name: (run_dir / name).read_text() for name in SHAPE_FILES
+                    if (run_dir / name).is_file()})
+
+    def write(self, run_dir: Path) -> None:
+        for name, text in self.texts.items():
+            tmp = run_dir / f".{name}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                         0o600 if name == CONF_FILE else 0o644)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+            os.replace(tmp, run_dir / name)  # a reader never sees half a file
+
+
+def plan_scale(dep: Deployment, counts: dict[str, int]) -> tuple[DictConfig, Plan]:
+    cfg = OmegaConf.load(dep.run_dir / CONFIG_FILE)
+    assert isinstance(cfg, DictConfig)
+    new_cfg = scaled_config(cfg, dep.plan, counts, port_taken=port_in_use)
+    servers = [p for p in dep.plan.processes if p.role in ROLES]
+    new_plan = scaled_plan(new_cfg, dep.plan, run_dir=str(dep.run_dir),
+                           python=servers[0].command[0], cpus=host_cpus())
+    key = run_conf.program_environment(dep.run_dir, "proxy").get(API_KEY_ENV)
+    new_plan.processes = [replace(p, secret_env={API_KEY_ENV: key}) if p.role == "proxy" and key
+                          else p for p in new_plan.processes]
+    return new_cfg, new_plan
+
+
+def render_files(dep: Deployment, cfg: DictConfig, plan: Plan) -> RunFiles:
+    conf = render_supervisord(plan, run_dir=dep.run_dir, token=dep.token,
+                              workdir=run_conf.workdir(dep.run_dir) or Path.cwd(),
+                              settings=program_settings(cfg))
+    return RunFiles({CONFIG_FILE: resolved_config(cfg), PLAN_FILE: plan.to_json(),
+                     CONF_FILE: conf, **monitoring_files(cfg, plan)})
+
+
+class Scaler:
+    """Carries out one scale: removals, the new run dir, additions (rolled back on failure)."""
+
+    def __init__(self, dep: Deployment, say: Callable[[str], None]) -> None:
+        self.dep = dep
+        self.say = say
+        self.op = Operator(dep, say)
+        self.sv = self.op.sv
+        self.con = display.console()
+
+    def remove(self, leader: Process) -> None:
+        left = self.op.drain(leader)
+        if left:
+            self.op.set_draining(leader, False)
+            self.op.readmit(leader)
+            raise OperationError(f"{leader.name}: {left} requests still in flight after "
+                                 f"launcher.drain_timeout_s={self.dep.launcher.drain_timeout_s:g}"
+                                 " s; kept it (drain undone). Raise the timeout or retry later")
+        self.dep.router.remove(leader)
+        gone, took = wait_until(lambda: not self.dep.router.listed(leader.url), ROUTER_CHANGE_S)
+        if not gone:
+            raise OperationError(f"{leader.name}: the router still lists {leader.url} "
+                                 f"{took:.0f} s after its removal")
+        self.say(f"{leader.name}: removed from the router after {took:.1f} s")
+        self._drop_programs([leader.name])
+        self.say(f"{leader.name}: stopped and removed from supervisord")
+
+    def _drop_programs(self, names: list[str]) -> None:
+        try:
+            for name in names:
+                self.sv.call("supervisor.stopProcess", name, True)
+                self.sv.call("supervisor.removeProcessGroup", name)
+        except (SupervisorError, OSError) as exc:
+            raise OperationError(f"supervisord could not stop {', '.join(names)}: {exc}") from None
+
+    def start(self, plan: Plan, added: list[Process]) -> None:
+        """Reread supervisord.conf and start the new programs, waiting for their health."""
+        try:
+            changes = self.sv.call("supervisor.reloadConfig")[0]
+            for name in changes[0]:  # added groups only: running programs are not touched
+                self.sv.call("supervisor.addProcessGroup", name)
+        except (SupervisorError, OSError) as exc:
+            raise OperationError(f"supervisord could not add {', '.join(p.name for p in added)}:"
+                                 f" {exc}") from None
+        part = Plan(plan.topology, plan.mode, plan.platform, plan.accelerator,
+                    plan.bootstrap_url, plan.proxy_url, added)
+        timeout = self.dep.launcher.health_timeout_s
+        self.say(f"started {', '.join(p.name for p in added)}; waiting for /health (at most "
+                 f"launcher.health_timeout_s={timeout:g} s)")
+        def draw(rows: list) -> Any:
+            return display.health_table(part, rows, title="pdtopo scale")
+
+        with Live(draw([]), console=self.con, refresh_per_second=4) as live:
+            result = wait_for_programs(part, self.sv.states, timeout, workers_fn=None,
+                                       on_update=lambda rows: live.update(draw(rows)))
+        self.con.print()
+        if not result.ok:
+            self.con.rule(f"last lines of logs/{result.failed}.log")
+            self.con.print(log_tail(self.dep.run_dir, result.failed or ""), markup=False,
+                           highlight=False)
+            self.con.rule()
+            raise OperationError(result.reason)
+
+    def register(self, leader: Process) -> None:
+        self.dep.router.add(leader)
+        healthy, took = wait_until(lambda: self.dep.router.health(leader.url) is True,
+                                   self.op.readmission_s + ROUTER_CHANGE_S)
+        if not healthy:
+            raise OperationError(f"{leader.name}: the router does not list it healthy "
+                                 f"{took:.0f} s after it was added")
+        self.say(f"{leader.name}: in the router after {took:.1f} s")
+
+    def roll_back(self, added: list[Process], old: RunFiles) -> None:
+        self.say("rolling back: removing the new programs, restoring the run dir")
+        for leader in added:
+            try:
+                self.dep.router.remove(leader)
+            except OperationError as exc:
+                self.say(f"{leader.name}: {exc}")
+        states = self.sv.states()
+        try:
+            self._drop_programs([p.name for p in added if p.name in states])
+        except OperationError as exc:
+            self.say(str(exc))
+        old.write(self.dep.run_dir)
+        try:
+            self.sv.call("supervisor.reloadConfig")
+        except (SupervisorError, OSError) as exc:
+            self.say(f"supervisord could not reread the restored conf: {exc}")
+
+
+def _shape(plan: Plan) -> str:
+    return ", ".join(f"{role}={len(role_leaders(plan, role))}" for role in ROLES)
+
+
+def run(run_dir: Path, args: list[str]) -> int:
+    """The CLI verb: 0 when the deployment has the new shape, 1 when it failed (nothing half
+    done is left), 2 for a bad request."""
+    con = display.console()
+    err = display.console(stderr=True)
+    try:
+        counts = parse_counts(args)
+        dep = Deployment.load(run_dir, verb="scale")
+        new_cfg, new_plan = plan_scale(dep, counts)
+    except TopologyError as exc:
+        display.print_topology_error(exc, err)
+        return 2
+    except OperationError as exc:
+        err.print(f"[bold red]pdtopo scale:[/] {exc}")
+        return 2
+    added, removed = changed_leaders(dep.plan, new_plan)
+    if not added and not removed:
+        con.print(f"{run_dir}: already {_shape(dep.plan)}; nothing to do")
+        return 0
+    con.print(f"scaling {run_dir}: {_shape(dep.plan)} -> {_shape(new_plan)}"
+              + (f"; adding {', '.join(p.name for p in added)}" if added else "")
+              + (f"; removing {', '.join(p.name for p in removed)}" if removed else ""))
+    scaler = Scaler(dep, con.print)
+    t0 = time.monotonic()
+    old = RunFiles.read(run_dir)
+    new = render_files(dep, new_cfg, new_plan)
+    try:
+        for leader in removed:
+            scaler.remove(leader)
+    except OperationError as exc:
+        con.print(f"[bold red]pdtopo scale:[/] {exc}")
+        return 1
+    if removed and not added:
+        new.write(run_dir)
+        try:
+            scaler.sv.call("supervisor.reloadConfig")
+        except (SupervisorError, OSError) as exc:
+            con.print(f"[bold yellow]WARNING:[/] supervisord could not reread {CONF_FILE}: {exc}")
+    if added:
+        # scale-in done: the restore point of a failed scale-out is the shape after it
+        if removed:
+            mid_cfg, mid_plan = plan_scale(dep, {r: min(counts.get(r, n), n) for r, n in (
+                (role, len(role_leaders(dep.plan, role))) for role in ROLES)})
+            old = render_files(dep, mid_cfg, mid_plan)
+        new.write(run_dir)
+        try:
+            scaler.start(new_plan, [p for p in new_plan.processes
+                                    if p.name in {a.name for a in added}])
+            for leader in added:
+                scaler.register(leader)
+        except (OperationError, KeyboardInterrupt) as exc:
+            con.print(f"[bold red]pdtopo scale:[/] {exc or 'interrupted'}")
+            scaler.roll_back(added, old)
+            return 1
+    con.print(f"[bold green]scaled[/] to {_shape(new_plan)} in {time.monotonic() - t0:.1f} s")
+    return 0
