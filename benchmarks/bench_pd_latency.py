@@ -1,9 +1,11 @@
 """PD overhead at concurrency 1: a colocated server vs 1P1D through each sglang-router proxy.
 
-One command: `python benchmarks/bench_pd_latency.py [--requests N] [--max-new-tokens M]`.
+One command: `python benchmarks/bench_pd_latency.py [--requests N] [--max-new-tokens M]
+[--proxies rust,gateway,mini_lb]`.
 It starts a colocated server (the baseline, measured in the same run) and then 1p1d_cpu
-deployments behind the Rust router and behind MiniLB (`pdtopo launch --detach`), sends the
-same prompts one at a time, and prints per server:
+deployments behind each proxy (the Rust router, the gateway, MiniLB; `pdtopo launch --detach`),
+sends the same prompts one at a time, on one reused keep-alive connection and on a new
+connection per request, and prints per server and connection mode:
 - TTFT of a streaming request (first SSE event at the client) and its end-to-end time;
 - the latency of a non-streaming 1-token request (prefill + hand-off + one answer: the
   time to first token as a non-streaming client sees it);
@@ -32,25 +34,38 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def measure(url: str, prompts: list[str], max_new_tokens: int) -> dict[str, list[float]]:
+def _one_server(client: httpx.Client, url: str, prompt: str, max_new_tokens: int,
+                out: dict[str, list[float]]) -> None:
+    body = {"text": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    t0 = time.perf_counter()
+    first = None
+    with client.stream("POST", f"{url}/generate", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data:") and first is None:
+                first = time.perf_counter() - t0
+    out["e2e"].append(time.perf_counter() - t0)
+    out["ttft"].append(first if first is not None else out["e2e"][-1])
+    one = {"text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    t0 = time.perf_counter()
+    client.post(f"{url}/generate", json=one).raise_for_status()
+    out["one_token"].append(time.perf_counter() - t0)
+
+
+def measure(url: str, prompts: list[str], max_new_tokens: int,
+            reuse: bool = True) -> dict[str, list[float]]:
+    """`reuse`: every request on one keep-alive connection (what pooled clients such as the
+    OpenAI client do); otherwise a new connection per request."""
     out: dict[str, list[float]] = {"ttft": [], "e2e": [], "one_token": []}
-    with httpx.Client(timeout=120) as client:
+    if reuse:
+        with httpx.Client(timeout=120) as client:
+            for prompt in prompts:
+                _one_server(client, url, prompt, max_new_tokens, out)
+    else:
         for prompt in prompts:
-            body = {"text": prompt, "stream": True,
-                    "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-            t0 = time.perf_counter()
-            first = None
-            with client.stream("POST", f"{url}/generate", json=body) as resp:
-                resp.raise_for_status()
-                for line in resp.iter_lines():
-                    if line.startswith("data:") and first is None:
-                        first = time.perf_counter() - t0
-            out["e2e"].append(time.perf_counter() - t0)
-            out["ttft"].append(first if first is not None else out["e2e"][-1])
-            one = {"text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-            t0 = time.perf_counter()
-            client.post(f"{url}/generate", json=one).raise_for_status()
-            out["one_token"].append(time.perf_counter() - t0)
+            with httpx.Client(timeout=120) as client:
+                _one_server(client, url, prompt, max_new_tokens, out)
     return out
 
 
@@ -59,15 +74,20 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--proxies", default="rust,gateway,mini_lb",
+                    help="comma-separated proxy kinds to measure (rust, gateway, mini_lb)")
     args = ap.parse_args()
 
     prompts = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)
                for i in range(args.requests + args.warmup)]
     results: dict[str, dict[str, list[float]]] = {}
+    modes = (("reused", True), ("new conn", False))
 
     def run(name: str, url: str) -> None:
         measure(url, prompts[: args.warmup], args.max_new_tokens)
-        results[name] = measure(url, prompts[args.warmup:], args.max_new_tokens)
+        for label, reuse in modes:
+            results[f"{name} {label}"] = measure(url, prompts[args.warmup:],
+                                                 args.max_new_tokens, reuse)
 
     with tempfile.TemporaryDirectory(prefix="pdtopo-bench-") as tmp:
         colo = ColocatedProcess(free_port_block(1), log_path=Path(tmp) / "colocated.log")
@@ -76,7 +96,7 @@ def main() -> None:
             run("colocated", colo.url)
         finally:
             colo.stop()
-        for proxy in ("rust", "mini_lb"):
+        for proxy in [p.strip() for p in args.proxies.split(",") if p.strip()]:
             dep = DetachedDeployment(Path(tmp) / f"run-{proxy}",
                              [f"proxy={proxy}", *port_overrides(free_port_block(40))])
             try:
@@ -88,27 +108,30 @@ def main() -> None:
             finally:
                 dep.stop()
 
-    print(f"\n{args.requests} requests per server at concurrency 1 (times in ms): streaming "
-          f"with {args.max_new_tokens} new tokens, and non-streaming with 1 new token")
-    print(f"{'server':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'E2E p50':>10}{'E2E p99':>10}"
+    print(f"\n{args.requests} requests per server and connection mode at concurrency 1 (times "
+          f"in ms): streaming with {args.max_new_tokens} new tokens, and non-streaming with 1 "
+          "new token; 'reused': one keep-alive connection, 'new conn': one per request")
+    print(f"{'server':<26}{'TTFT p50':>10}{'TTFT p99':>10}{'E2E p50':>10}{'E2E p99':>10}"
           f"{'1-tok p50':>11}{'1-tok p99':>11}")
     for name, r in results.items():
-        print(f"{name:<16}" + "".join(
+        print(f"{name:<26}" + "".join(
             f"{_pct(r[k], q) * 1e3:>{w}.1f}" for k, q, w in
             (("ttft", 50, 10), ("ttft", 99, 10), ("e2e", 50, 10), ("e2e", 99, 10),
              ("one_token", 50, 11), ("one_token", 99, 11))))
-    base = results["colocated"]
     print()
     for name, r in results.items():
-        if name == "colocated":
+        if name.startswith("colocated"):
             continue
+        label_mode = "reused" if name.endswith("reused") else "new conn"
+        base = results[f"colocated {label_mode}"]
         for key, label in (("ttft", "streaming TTFT"), ("one_token", "1-token latency")):
             o50 = (_pct(r[key], 50) - _pct(base[key], 50)) * 1e3
             o99 = (_pct(r[key], 99) - _pct(base[key], 99)) * 1e3
             ratio = _pct(r[key], 50) / _pct(base[key], 50)
             goal = "met" if o50 <= 10 else "NOT met"
-            print(f"{name:<16} {label:<16} overhead p50 {o50:+7.1f} ms, p99 {o99:+7.1f} ms "
-                  f"(p50 ratio {ratio:.2f}x; goal p50 <= 10 ms: {goal})")
+            print(f"{name:<26} {label:<16} overhead p50 {o50:+7.1f} ms, p99 {o99:+7.1f} ms "
+                  f"(p50 ratio {ratio:.2f}x vs colocated {label_mode}; goal p50 <= 10 ms: "
+                  f"{goal})")
 
 
 if __name__ == "__main__":
