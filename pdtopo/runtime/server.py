@@ -27,6 +27,7 @@ from pdtopo.config.compose import compose_config
 from pdtopo.config.settings import runtime_settings
 from pdtopo.logs import configure_logging
 from pdtopo.runtime.api.app import create_app
+from pdtopo.runtime.api.http_probe import HttpProtocol
 from pdtopo.runtime.api.state import ServerState
 from pdtopo.runtime.compilation_cache import enable_compilation_cache
 from pdtopo.runtime.distributed import start_process
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     state = ServerState(ctx)
     app = create_app(state)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+                                    timeout_graceful_shutdown=5, http=HttpProtocol))
 
     def loader() -> None:
         try:
