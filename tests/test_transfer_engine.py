@@ -273,3 +273,17 @@ def test_manager_abort_and_kv_timeout(managers):
         D.create_receiver(-1, P.channel.address)
     with pytest.raises(ValueError, match="host:port"):
         D.create_receiver(8, "nohost")
+
+
+def test_transfer_uuids_are_random_and_never_a_live_one(engine):
+    """Whoever reaches the transfer port and knows a uuid can pull that KV: uuids are 63 random
+    bits (`secrets`), not a counter, and never one registered right now."""
+    uuids = [engine.new_uuid() for _ in range(200)]
+    assert len(set(uuids)) == 200 and all(0 < u < 2**63 for u in uuids)
+    deltas = {b - a for a, b in zip(uuids, uuids[1:], strict=False)}
+    assert len(deltas) > 190  # not a base plus a counter
+    assert sum(u >= 2**55 for u in uuids) > 150  # the high bits are used
+    x = jax.device_put(np.arange(4, dtype=np.float32))
+    live, _ = engine.register(11, [x], 30)
+    assert live not in {engine.new_uuid() for _ in range(50)}
+    engine.release(11)

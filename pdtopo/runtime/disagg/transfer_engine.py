@@ -33,8 +33,8 @@ import datetime as dt
 import itertools
 import logging
 import math
-import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -136,8 +136,6 @@ class JaxTransferKVEngine:
         self._conns: dict[str, Any] = {}
         self._pulls: dict[int, _Pull] = {}
         self._pull_ids = itertools.count()
-        self._uuids = itertools.count(1)
-        self._uuid_base = (int.from_bytes(os.urandom(3), "big") << 32) & (2**62 - 1)
         self._tiny = jax.device_put(np.zeros((1,), np.uint8), jax.local_devices()[0])
         self.pull_executor = cf.ThreadPoolExecutor(max_workers=int(pull_workers),
                                                    thread_name_prefix="kv-pull")
@@ -158,8 +156,19 @@ class JaxTransferKVEngine:
 
     # ------------------------------------------------------------------ P side
     def new_uuid(self) -> int:
-        """A transfer uuid unique in this process (never reused: a reused uuid hangs pulls)."""
-        return self._uuid_base + next(self._uuids)
+        """A fresh transfer uuid: 63 random bits from `secrets` (whoever reaches the transfer
+        port and knows a registered uuid can pull that KV, so it must not be guessable; never
+        logged). Never one that is registered now (a reused uuid hangs pulls); a repeat of an
+        earlier one is a 2**-63 event per pair."""
+        with self._lock:
+            return self._fresh_uuid_locked()
+
+    def _fresh_uuid_locked(self) -> int:
+        live = {r.uuid for r in self._rooms.values()}
+        while True:
+            uid = secrets.randbits(63)
+            if uid and uid not in live:
+                return uid
 
     def register(self, room: int, arrays: Sequence[Any], expire_s: float,
                  uuid: int | None = None) -> tuple[int, float]:
@@ -170,9 +179,9 @@ class JaxTransferKVEngine:
         if not arrays:
             raise ValueError(f"room {room}: nothing to register (empty array list)")
         check_value("disaggregation.sender_expiry_s", expire_s)
-        uid = self.new_uuid() if uuid is None else int(uuid)
         deadline = time.time() + float(expire_s)
         with self._lock:
+            uid = self._fresh_uuid_locked() if uuid is None else int(uuid)
             if room in self._rooms:
                 raise KVTransferError(f"room {room} is already registered for a pull")
             self._server.await_pull(uid, arrays, timeout=_deadline_datetime(expire_s))
@@ -201,7 +210,7 @@ class JaxTransferKVEngine:
             for room in gone:
                 del self._rooms[room]
             try:  # tiny registration that expires at once: makes the server process expiries
-                self._server.await_pull(self.new_uuid(), [self._tiny],
+                self._server.await_pull(self._fresh_uuid_locked(), [self._tiny],
                                         timeout=_deadline_datetime(0))
             except Exception as e:
                 log.warning("transfer server expiry kick failed: %r", e)
@@ -265,7 +274,7 @@ class JaxTransferKVEngine:
 
     def _time_out(self, p: _Pull) -> None:
         exc = KVTransferTimeout(
-            f"room {p.room}: pull of KV (uuid {p.uuid}) from peer {p.peer} did not complete "
+            f"room {p.room}: pull of KV from peer {p.peer} did not complete "
             f"within {p.timeout_s:g} s", status=504)
         with _SETTLE_LOCK:
             if p.future.done():
@@ -315,7 +324,7 @@ class JaxTransferKVEngine:
             if p.conn is not None:
                 self._drop_connection(p.peer, p.conn, poison=False)
             self._settle(p, exc=KVTransferError(
-                f"room {p.room}: pull of KV (uuid {p.uuid}) from peer {p.peer} failed: {e}",
+                f"room {p.room}: pull of KV from peer {p.peer} failed: {e}",
                 status=502))
 
     # ------------------------------------------------------------------ housekeeping
