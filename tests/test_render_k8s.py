@@ -121,7 +121,8 @@ def test_k8s_manifests_validate_against_schemas(tmp_path, topology):
     objects = _objects(_render(tmp_path, f"topology={topology}"))
     kinds = sorted(o["kind"] for o in objects.values())
     assert kinds == ["ConfigMap", "Deployment", "Deployment", "LeaderWorkerSet",
-                     "LeaderWorkerSet", "Secret", "Service", "Service", "Service", "Service"]
+                     "LeaderWorkerSet", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy",
+                     "Secret", "Service", "Service", "Service", "Service"]
     for obj in objects.values():
         if obj["kind"] == "LeaderWorkerSet":
             jsonschema.validate(obj, LWS_SCHEMA)
@@ -254,6 +255,7 @@ def test_cpu_topology_refused(tmp_path, capsys):
      "topology.decode.port_overrides.1"),
     (["topology=1p1d_v6e8", "k8s.name=Bad_Name"], "k8s.name"),
     (["topology=1p1d_v6e8", "k8s.namespace=a.b"], "k8s.namespace"),
+    (["topology=1p1d_v6e8", "k8s.monitoring_namespace=Mon_1"], "k8s.monitoring_namespace"),
     (["topology=1p1d_v6e8", "proxy.api_key_file=/etc/key"], "proxy.api_key_file"),
     (["topology=colocated_cpu"], "topology.platform"),
 ])
@@ -317,3 +319,55 @@ def test_bootstrap_pod_command_serves_from_the_configmap(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _pod_labels(objects) -> list[dict]:
+    out = []
+    for obj in objects.values():
+        if obj["kind"] == "Deployment":
+            out.append(obj["spec"]["template"]["metadata"]["labels"])
+        elif obj["kind"] == "LeaderWorkerSet":
+            lwt = obj["spec"]["leaderWorkerTemplate"]
+            out += [lwt[k]["metadata"]["labels"] for k in ("leaderTemplate", "workerTemplate")
+                    if k in lwt]
+    return out
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_network_policies_fence_the_deployment(tmp_path):
+    objects = _objects(_render(tmp_path, "topology=1p1d_v6e16"))
+    policies = {o["metadata"]["name"]: o for o in _kind(objects, "NetworkPolicy")}
+    prefix = "pdtopo-1p1d-v6e16"
+    same, clients, metrics = (policies[f"{prefix}-{n}"] for n in ("same-deployment",
+                                                                   "proxy-clients", "metrics"))
+    pods = _pod_labels(objects)
+    assert len(pods) == 6  # bootstrap, proxy, P and D: a leader and a worker template each
+    for labels in pods:  # every pod is fenced, and admits every other pod of the deployment
+        assert _selects(same["spec"]["podSelector"], labels)
+        assert _selects(same["spec"]["ingress"][0]["from"][0]["podSelector"], labels)
+    assert all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies.values())
+    proxy_service = next(o for o in _kind(objects, "Service")
+                         if o["metadata"]["name"].endswith("proxy"))
+    http = next(p["port"] for p in proxy_service["spec"]["ports"] if p["name"] == "http")
+    assert clients["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": http}]}]
+    proxy_pods = [labels for labels in pods if labels["app.kubernetes.io/component"] == "proxy"]
+    assert [_selects(clients["spec"]["podSelector"], labels) for labels in pods].count(True) \
+        == len(proxy_pods) == 1
+    rule = metrics["spec"]["ingress"][0]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    annotated = set()
+    for obj in objects.values():
+        templates = ([obj["spec"]["template"]] if obj["kind"] == "Deployment" else
+                     list(obj["spec"]["leaderWorkerTemplate"].values())
+                     if obj["kind"] == "LeaderWorkerSet" else [])
+        for t in templates:
+            if isinstance(t, dict) and "prometheus.io/port" in t["metadata"]["annotations"]:
+                annotated.add(int(t["metadata"]["annotations"]["prometheus.io/port"]))
+    assert {p["port"] for p in rule["ports"]} == annotated  # what is scraped is let in
+    off = _objects(_render(tmp_path / "off", "topology=1p1d_v6e16",
+                           "k8s.monitoring_namespace=null"))
+    assert len(_kind(off, "NetworkPolicy")) == 2

@@ -56,6 +56,7 @@ class K8sSettings:
     cluster_domain: str = "cluster.local"
     run_dir: str = "/etc/pdtopo"
     python: str = "python"
+    monitoring_namespace: str | None = "monitoring"
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig, topology: str) -> K8sSettings:
@@ -66,7 +67,9 @@ class K8sSettings:
                 image=str(sel("image", cls.image) or ""),
                 image_pull_policy=str(sel("image_pull_policy", cls.image_pull_policy)),
                 cluster_domain=str(sel("cluster_domain", cls.cluster_domain)),
-                run_dir=str(sel("run_dir", cls.run_dir)), python=str(sel("python", cls.python)))
+                run_dir=str(sel("run_dir", cls.run_dir)), python=str(sel("python", cls.python)),
+                monitoring_namespace=(None if sel("monitoring_namespace", cls.monitoring_namespace)
+                                      is None else str(sel("monitoring_namespace", None))))
         s.check()
         return s
 
@@ -85,6 +88,10 @@ class K8sSettings:
                                 "must be Always, IfNotPresent or Never")
         if not _DNS_SUBDOMAIN.match(self.cluster_domain):
             raise TopologyError("k8s.cluster_domain", self.cluster_domain, "not a DNS name")
+        ns = self.monitoring_namespace
+        if ns is not None and (not _DNS_LABEL.match(ns) or len(ns) > 63):
+            raise TopologyError("k8s.monitoring_namespace", ns,
+                                "must be a DNS label or null (no scraping from outside)")
         if not self.run_dir.startswith("/"):
             raise TopologyError("k8s.run_dir", self.run_dir, "must be an absolute path")
 

@@ -7,6 +7,10 @@ object deterministically (sorted keys, block strings). One file per object, numb
 
   00-secret-<prefix>-token          deployment token (+ proxy API key), generated per render
   01-configmap-<prefix>-run         config.yaml + plan.json, mounted at k8s.run_dir in every pod
+  05-networkpolicy-<prefix>-*       ingress fences: the deployment's pods accept traffic only
+                                    from each other (by pod labels: the transfer library binds
+                                    random ports), the proxy also from clients on its port, and
+                                    the metrics ports from k8s.monitoring_namespace
   10-service-<prefix>-bootstrap|proxy       ClusterIP Services
   10-service-<prefix>-prefill|decode-kv     headless Services: transfer + side-channel ports
   20-deployment-<prefix>-bootstrap|proxy    one pod each
@@ -180,6 +184,35 @@ def _service(s: K8sSettings, name: str, component: str, ports: dict[str, int],
             "spec": spec}
 
 
+def _policy(s: K8sSettings, name: str, pods: dict[str, str],
+            ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(s, s.name(name), "network-policy"),
+            "spec": {"podSelector": {"matchLabels": pods}, "policyTypes": ["Ingress"],
+                     "ingress": ingress}}
+
+
+def network_policies(s: K8sSettings, proxy: Process,
+                     groups: list[RoleGroup]) -> list[dict[str, Any]]:
+    """Ingress policies (they add up): every pod of the deployment from the deployment's own
+    pods on any port; the proxy pod from anywhere on its HTTP port; the servers' /metrics
+    (their HTTP ports) and the router's prometheus port from the monitoring namespace."""
+    mine = {"app.kubernetes.io/instance": s.prefix}
+    out = [_policy(s, "same-deployment", mine, [{"from": [{"podSelector": {"matchLabels":
+                                                                           mine}}]}]),
+           _policy(s, "proxy-clients", _selector(s, "proxy"),
+                   [{"ports": [{"protocol": "TCP", "port": int(proxy.ports["http"])}]}])]
+    if s.monitoring_namespace:
+        ports = sorted({int(g.leader_ports["http"]) for g in groups}
+                       | ({int(proxy.ports["prometheus"])} if "prometheus" in proxy.ports
+                          else set()))
+        out.append(_policy(s, "metrics", mine, [{
+            "from": [{"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": s.monitoring_namespace}}}],
+            "ports": [{"protocol": "TCP", "port": p} for p in ports]}]))
+    return out
+
+
 def config_hash(config_text: str, plan_json: str) -> str:
     return hashlib.sha256((config_text + "\0" + plan_json).encode()).hexdigest()
 
@@ -205,6 +238,8 @@ def render_k8s(plan: Plan, groups: list[RoleGroup], s: K8sSettings, *, config_te
             "metadata": _meta(s, s.name("token"), "token"), "stringData": secret_data})
     add(1, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(s, s.name("run"), "run"),
             "data": {CONFIG_FILE: config_text, PLAN_FILE: plan_json}})
+    for policy in network_policies(s, procs["proxy"], groups):
+        add(5, policy)
     for role in ("bootstrap", "proxy"):
         proc = procs[role]
         add(10, _service(s, proc.host, role, proc.ports, _selector(s, role)))
