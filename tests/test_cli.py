@@ -15,8 +15,9 @@ from pdtopo.cli import main
 def test_render_writes_run_dir(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["render", f"hydra.run.dir={run}", "topology=2p2d_cpu"]) == 0
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "logs", "plan.json",
-                                                     "supervisord.conf", "token"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "config.yaml", "grafana-dashboard.json", "logs", "plan.json", "prometheus.yml",
+        "supervisord.conf", "token"]
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert "hydra" not in cfg and cfg["topology"]["name"] == "2p2d_cpu"
     assert cfg["engine"]["kv_dtype"] == "float32"  # resolved interpolation

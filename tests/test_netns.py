@@ -161,6 +161,10 @@ def test_proxy_output_equals_colocated_across_the_veth(two_hosts, reference):
     # D lives in namespace B: the only way its pulls reached P (10.200.0.1) is the veth pair
     state = _post_get(nss, "b", f"http://{ADDR['b']}:30001/pdtopo/state")
     assert state["role"] == "decode" and state["ready"] and state["pd_transfers"] == 0
+    # beyond loopback the side channel speaks CURVE (disaggregation.side_channel_curve: auto)
+    p_state = _post_get(nss, "a", f"http://{ADDR['a']}:30000/pdtopo/state")
+    assert state["pd_side_channel_curve"] is True and p_state["pd_side_channel_curve"] is True
+    assert p_state["pd_side_channel_curve_denied"] == 0 and p_state["pd_side_channel_dropped"] == 0
 
 
 def _post_get(nss: Namespaces, side: str, url: str) -> dict:

@@ -13,6 +13,7 @@ import zmq
 
 from pdtopo.runtime.disagg import messages as m
 from pdtopo.runtime.disagg.base import PackedMeta
+from pdtopo.runtime.disagg.curve import deployment_keys, side_channel_curve
 from pdtopo.runtime.disagg.side_channel import SideChannel
 
 META = PackedMeta(name="main_kv", pool_type="main_kv", dtype="float32", shape=(3, 4, 2, 8),
@@ -297,3 +298,71 @@ def _get_owner(p: SideChannel, d: SideChannel):
     """The router peer of D as P sees it (P learned it from D's want)."""
     d.send_to(p.address, m.Want(room=10))
     return _get(p.events).peer
+
+
+# ---------------------------------------------------------------- CURVE (beyond loopback)
+def test_curve_keys_and_when_they_are_on():
+    a, b = deployment_keys("token-a"), deployment_keys("token-b")
+    assert a == deployment_keys("token-a") and a.public != b.public and a.domain != b.domain
+    assert len(a.public) == len(a.secret) == 40
+    with pytest.raises(ValueError, match="deployment token"):
+        deployment_keys("")
+    assert side_channel_curve("auto", ["127.0.0.1", "127.0.0.1"]) is False
+    assert side_channel_curve("auto", ["localhost", "::1"]) is False
+    assert side_channel_curve("auto", ["127.0.0.1", "10.0.0.2"]) is True  # any P/D beyond
+    assert side_channel_curve("auto", [None]) is True and side_channel_curve("auto", ["p0"])
+    assert side_channel_curve(True, ["127.0.0.1"]) and not side_channel_curve(False, ["10.1.1.1"])
+
+
+@pytest.fixture
+def curve_pair():
+    keys = deployment_keys("the-deployment-token")
+    p = SideChannel(bind="127.0.0.1:0", max_bytes=4096, name="P", curve=keys)
+    d = SideChannel(max_bytes=4096, name="D", curve=keys)
+    yield p, d, keys
+    d.close()
+    p.close()
+
+
+def test_curve_round_trip_and_outsiders_never_reach_p(curve_pair):
+    p, d, _keys = curve_pair
+    d.send_to(p.address, m.Want(room=7))
+    ev = _get(p.events)
+    assert ev.msg == m.Want(room=7)
+    p.send(ev.peer, m.Failed(room=7, reason="x"))
+    assert _get(d.events).msg == m.Failed(room=7, reason="x")
+    plain = SideChannel(max_bytes=4096, name="plain")             # no CURVE at all
+    stranger = SideChannel(max_bytes=4096, name="stranger",       # another deployment's keys
+                           curve=deployment_keys("someone-else"))
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)                                  # raw bytes, no handshake
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{p.address}")
+    # knows P's public key (it is no secret) but holds its own key pair, not the deployment's
+    forger = ctx.socket(zmq.DEALER)
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.curve_serverkey = _keys.public
+    forger.curve_publickey, forger.curve_secretkey = zmq.curve_keypair()
+    forger.connect(f"tcp://{p.address}")
+    try:
+        before = p.stats()
+        for ch in (plain, stranger):
+            ch.send_to(p.address, m.Want(room=8))
+            ch.send_to(p.address, m.Done(room=7, ok=True))
+        raw.send(m.encode(m.Want(room=9)))
+        forger.send(m.encode(m.Want(room=11)))
+        _until(lambda: p.stats().get("curve_denied", 0) >= 1)
+        time.sleep(1.0)
+        assert p.events.empty()  # nothing reached P's scheduler ...
+        after = p.stats()
+        assert after.get("dropped", 0) == before.get("dropped", 0)  # ... not even as a drop
+        assert after.get("recv_want", 0) == before.get("recv_want", 0)
+        assert after.get("curve_denied", 0) >= 1  # the forger's handshake was refused
+        # the deployment's own peer still works
+        d.send_to(p.address, m.Want(room=10))
+        assert _get(p.events).msg == m.Want(room=10)
+    finally:
+        raw.close()
+        forger.close()
+        plain.close()
+        stranger.close()

@@ -62,6 +62,7 @@ class DisaggregationSettings:
     side_channel_max_bytes: int = MISSING
     fault_injection_prob: float = MISSING
     decode_prefix_cache: bool = MISSING
+    side_channel_curve: Any = MISSING  # "auto" | true | false
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "disaggregation.side_channel_max_bytes": _at_least(1024),
     "disaggregation.fault_injection_prob": ((lambda v: _is_number(v) and 0 <= v <= 1),
                                             "a number in [0, 1]"),
+    "disaggregation.side_channel_curve": ((lambda v: v == "auto" or isinstance(v, bool)),
+                                          "auto, true or false"),
     "disaggregation.transfer_raw_buffers": ((lambda v: v == "auto" or isinstance(v, bool)),
                                             "auto, true or false"),
     "local.transfer_backlog": _at_least(1),

@@ -236,7 +236,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
 
     def pd_state(self) -> dict[str, Any]:
         self.pd_metrics.rooms_in_flight.set(len(self._pending))
-        return {"pd_prealloc": len(self.prealloc_queue), "pd_transfers": len(self.transfer_queue),
+        return {**super().pd_state(),
+                "pd_prealloc": len(self.prealloc_queue), "pd_transfers": len(self.transfer_queue),
                 "pd_ready": len(self.ready_queue), "pd_pulled_pages": self.num_pulled_pages,
                 "pd_pulled_bytes": self.num_pulled_bytes,
                 "pd_decode_cached_pages": self.num_decode_cached_pages}

@@ -66,6 +66,7 @@ from pdtopo.runtime.disagg.base import (
     PackedMeta,
     check_packed_meta,
 )
+from pdtopo.runtime.disagg.curve import deployment_keys, side_channel_curve
 from pdtopo.runtime.disagg.kvpoll import KVPoll, KVPollState
 from pdtopo.runtime.disagg.side_channel import Peer, SideChannel, SideChannelEvent
 from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
@@ -383,9 +384,22 @@ class JaxTransferKVManager(BaseKVManager):
         bind = None
         if ctx.role == "prefill":
             bind = f"{ctx.bind_host}:{int(ctx.ports['zmq'])}"
+        curve = None
+        configured = ctx.settings.server.bind_host
+        hosts = [configured or p.get("address") for p in ctx.plan.get("processes", [])
+                 if p.get("role") in ("prefill", "decode")] or [ctx.bind_host]
+        if side_channel_curve(d.side_channel_curve, hosts):
+            try:
+                curve = deployment_keys(ctx.token or "")
+            except ValueError as exc:
+                engine.close()
+                where = sorted(set(map(str, hosts)))
+                raise RuntimeError(f"disaggregation.side_channel_curve="
+                                   f"{d.side_channel_curve!r} (P/D listen on {where}): "
+                                   f"{exc}") from None
         try:
             channel = SideChannel(bind=bind, max_bytes=d.side_channel_max_bytes,
-                                  name=f"{ctx.name}-side")
+                                  name=f"{ctx.name}-side", curve=curve)
         except Exception:
             engine.close()
             raise

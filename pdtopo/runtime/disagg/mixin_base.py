@@ -101,7 +101,11 @@ class DisaggregationMixinBase:
         """Nothing to tell by default (D's own rejection needs no message to P)."""
 
     def pd_state(self) -> dict[str, Any]:
-        return {"pd_side_channel_dropped": self.kv_manager.channel.stats().get("dropped", 0)}
+        channel = self.kv_manager.channel
+        stats = channel.stats()
+        return {"pd_side_channel_dropped": stats.get("dropped", 0),
+                "pd_side_channel_curve": channel.curve is not None,
+                "pd_side_channel_curve_denied": stats.get("curve_denied", 0)}
 
     def publish_stats(self) -> None:
         super().publish_stats()

@@ -30,6 +30,12 @@ the ROUTER knows which connection each D identity's messages came from (the fram
 descriptor), and every room that D owns gets a local `failed(room, status=503)` event, as if D
 had sent it, so P drops that room's KV now instead of at `disaggregation.sender_expiry_s`
 (counted as `decode_disconnects` / `rooms_failed_on_decode_disconnect`).
+
+With `curve` keys (`disaggregation.side_channel_curve`, on beyond loopback by default) the ROUTER
+is a CURVE server that admits only peers holding the deployment's key pair, and every DEALER is
+a CURVE client with it (pdtopo/runtime/disagg/curve.py): a peer without the token cannot
+complete a handshake, so nothing it sends reaches the I/O thread (`curve_denied` counts the
+refused handshakes); all side-channel traffic is encrypted.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pdtopo.runtime.disagg import messages as m
+from pdtopo.runtime.disagg.curve import CurveKeys, admit_only, release, secure_dealer, secure_router
 from pdtopo.runtime.zmq_source import source_fd
 
 log = logging.getLogger(__name__)
@@ -75,11 +82,15 @@ class SideChannel:
     """A side-channel endpoint; `bind` ("host:port", port 0 = any) makes it a P (ROUTER)."""
 
     def __init__(self, *, bind: str | None = None, max_bytes: int = 65536,
-                 name: str = "side-channel") -> None:
+                 name: str = "side-channel", curve: CurveKeys | None = None) -> None:
+        """`curve`: the deployment's CURVE keys (pdtopo.runtime.disagg.curve): the ROUTER
+        admits only peers that hold them and every DEALER presents them; None: plain TCP."""
         if max_bytes < 256:
             raise ValueError(f"side_channel_max_bytes must be >= 256, got {max_bytes}")
         self.max_bytes = int(max_bytes)
         self.name = name
+        self.curve = curve
+        self._curve_users = 0  # 1 while this ROUTER holds the context's authenticator
         self.events: queue.Queue[SideChannelEvent] = queue.Queue()
         self._outbox: queue.Queue[tuple] = queue.Queue()
         self._ctx = zmq.Context.instance()
@@ -105,6 +116,10 @@ class SideChannel:
             if not host or not port.isdigit():
                 raise ValueError(f"side channel bind address must be host:port, got {bind!r}")
             self._router = self._ctx.socket(zmq.ROUTER)
+            if curve is not None:
+                secure_router(self._router, curve,
+                              admit_only(self._ctx, curve, lambda: self._count("curve_denied")))
+                self._curve_users = 1
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._router.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
@@ -148,6 +163,9 @@ class SideChannel:
         self._thread.join(timeout=5)
         self._wake_r.close()
         self._wake_w.close()
+        if self._curve_users:
+            self._curve_users = 0
+            release(self._ctx)
 
     # ------------------------------------------------------------------ I/O thread
     def _put(self, item: tuple) -> None:
@@ -174,6 +192,8 @@ class SideChannel:
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
+            if self.curve is not None:
+                secure_dealer(sock, self.curve)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self._identity)
             sock.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
