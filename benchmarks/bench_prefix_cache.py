@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -152,6 +153,8 @@ def main() -> None:
     ap.add_argument("--pd-conversations", type=int, default=9,
                     help="conversations of the 2P2D routing pair (odd by default: see the "
                     "module docstring)")
+    ap.add_argument("--keep-logs", default=None, metavar="DIR",
+                    help="copy every deployment's logs/ to DIR/<configuration> after it stops")
     ap.add_argument("--only", default=None, help="run only the configurations whose name "
                     "matches this regular expression (ratios print where both sides ran)")
     args = ap.parse_args()
@@ -195,6 +198,9 @@ def main() -> None:
                                     urls["decode"])
             finally:
                 dep.stop()
+                if args.keep_logs:
+                    shutil.copytree(dep.run_dir / "logs", Path(args.keep_logs) / dep.run_dir.name,
+                                    dirs_exist_ok=True)
 
         pd("1P1D cache=false", ["engine.prefix_cache=false"])
         pd("1P1D cache=true", [])
