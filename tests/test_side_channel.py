@@ -175,6 +175,20 @@ def test_forget_applies_before_the_next_message(pair):
         assert "after forget" not in seen
 
 
+def test_forget_right_after_a_queued_want_still_forgets(pair):
+    """forget() straight after send_to(want): the want goes out first (the I/O thread sends it
+    after the early forget), yet the room stays forgotten: P's answer is dropped."""
+    p, d = pair
+    before = d.stats().get("dropped", 0)
+    d.send_to(p.address, m.Want(room=77))
+    d.forget(77)
+    ev = _get(p.events)
+    assert ev.msg == m.Want(room=77)
+    p.send(ev.peer, m.Failed(room=77, reason="late"))
+    _until(lambda: d.stats().get("dropped", 0) > before)
+    assert d.stats()["dropped"] == before + 1 and d.events.empty()
+
+
 def _drain(q) -> list:
     out = []
     while not q.empty():
@@ -366,3 +380,19 @@ def test_curve_round_trip_and_outsiders_never_reach_p(curve_pair):
         forger.close()
         plain.close()
         stranger.close()
+
+
+def test_a_failed_bind_leaves_nothing_open(curve_pair):
+    from pdtopo.runtime.disagg import curve as curve_mod
+    p, _d, keys = curve_pair
+    ctx = zmq.Context.instance()
+    users = curve_mod._authenticators[id(ctx)][1]
+    with pytest.raises(zmq.ZMQError):
+        SideChannel(bind=p.address, max_bytes=4096, name="P2", curve=keys)  # port taken
+    assert curve_mod._authenticators[id(ctx)][1] == users  # its authenticator share released
+    d2 = SideChannel(max_bytes=4096, name="D2", curve=keys)  # and the channel still serves
+    try:
+        d2.send_to(p.address, m.Want(room=5))
+        assert _get(p.events).msg == m.Want(room=5)
+    finally:
+        d2.close()

@@ -41,7 +41,7 @@ from pdtopo.launcher.hosts import deployment_token
 from pdtopo.launcher.plan import Plan, Process
 from pdtopo.launcher.router_admin import RouterAdmin
 from pdtopo.launcher.run_conf import proxy_api_key
-from pdtopo.launcher.supervisor_control import Supervisor, SupervisorError
+from pdtopo.launcher.supervisor_control import CALL_ERRORS, Supervisor
 
 SERVER_ROLES = ("prefill", "decode")
 __all__ = ["Deployment", "OperationError", "Operator", "run"]
@@ -182,7 +182,7 @@ class Operator:
                 self.sv.call("supervisor.stopProcess", name, True)
             for name in names:
                 self.sv.call("supervisor.startProcess", name, False)
-        except (SupervisorError, OSError) as exc:
+        except CALL_ERRORS as exc:
             raise OperationError(f"{leader.name}: supervisord could not restart "
                                  f"{', '.join(names)}: {exc}") from None
         self.say(f"{leader.name}: restarted {', '.join(names)}; waiting for /health "

@@ -30,18 +30,34 @@ class RouterAdmin:
         return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else None
 
     def entry(self, worker_url: str) -> dict | None:
-        return next((w for w in self.workers() or [] if w.get("url") == worker_url), None)
+        """The router's entry for one worker, None when it is not listed; OperationError when
+        the router does not answer its list (not the same as "not listed")."""
+        workers = self.workers()
+        if workers is None:
+            raise OperationError(f"the router at {self.url} does not answer GET /workers")
+        return next((w for w in workers if w.get("url") == worker_url), None)
 
     def health(self, worker_url: str) -> bool | None:
         """True/False from the router's list, None when it does not list the worker with a
         health flag."""
-        found = self.entry(worker_url)
+        try:
+            found = self.entry(worker_url)
+        except OperationError:
+            return None
         if found is None or "is_healthy" not in found:
             return None
         return bool(found["is_healthy"])
 
     def listed(self, worker_url: str) -> bool:
         return self.entry(worker_url) is not None
+
+    def answers_listed(self, worker_url: str, listed: bool) -> bool:
+        """For polling: True once the router answers and lists (or, `listed=False`, does not
+        list) the worker; a router that does not answer is "not yet", never "gone"."""
+        try:
+            return self.listed(worker_url) is listed
+        except OperationError:
+            return False
 
     def add(self, leader: Process) -> None:
         if self.url is None:

@@ -56,10 +56,11 @@ from pdtopo.launcher.scale_plan import (
     scaled_config,
     scaled_plan,
 )
-from pdtopo.launcher.supervisor_control import SupervisorError
+from pdtopo.launcher.supervisor_control import CALL_ERRORS
 
 ROUTER_CHANGE_S = 20.0  # the router applies /workers changes in the background
 SHAPE_FILES = (CONFIG_FILE, PLAN_FILE, CONF_FILE, PROMETHEUS_FILE, DASHBOARD_FILE)
+LIVE_STATES = ("STARTING", "RUNNING", "BACKOFF", "STOPPING")
 
 
 @dataclass
@@ -116,28 +117,51 @@ class Scaler:
 
     def remove(self, leader: Process) -> None:
         left = self.op.drain(leader)
-        if left:
-            self.op.set_draining(leader, False)
-            self.op.readmit(leader)
-            raise OperationError(f"{leader.name}: {left} requests still in flight after "
-                                 f"launcher.drain_timeout_s={self.dep.launcher.drain_timeout_s:g}"
-                                 " s; kept it (drain undone). Raise the timeout or retry later")
-        self.dep.router.remove(leader)
-        gone, took = wait_until(lambda: not self.dep.router.listed(leader.url), ROUTER_CHANGE_S)
-        if not gone:
-            raise OperationError(f"{leader.name}: the router still lists {leader.url} "
-                                 f"{took:.0f} s after its removal")
+        try:
+            if left:
+                raise OperationError(
+                    f"{leader.name}: {left} requests still in flight after "
+                    f"launcher.drain_timeout_s={self.dep.launcher.drain_timeout_s:g} s; kept "
+                    "it (drain undone). Raise the timeout or retry later")
+            self.dep.router.remove(leader)
+            gone, took = wait_until(
+                lambda: self.dep.router.answers_listed(leader.url, False), ROUTER_CHANGE_S)
+            if not gone:
+                raise OperationError(f"{leader.name}: the router still lists {leader.url} "
+                                     f"{took:.0f} s after its removal; kept it (drain undone)")
+        except (OperationError, KeyboardInterrupt):
+            self._keep(leader)
+            raise
         self.say(f"{leader.name}: removed from the router after {took:.1f} s")
         self._drop_programs([leader.name])
         self.say(f"{leader.name}: stopped and removed from supervisord")
 
-    def _drop_programs(self, names: list[str]) -> None:
+    def _keep(self, leader: Process) -> None:
+        """Undo a drain that will not be followed by a removal: the instance serves again."""
         try:
-            for name in names:
-                self.sv.call("supervisor.stopProcess", name, True)
-                self.sv.call("supervisor.removeProcessGroup", name)
-        except (SupervisorError, OSError) as exc:
-            raise OperationError(f"supervisord could not stop {', '.join(names)}: {exc}") from None
+            if not self.dep.router.listed(leader.url):
+                self.dep.router.add(leader)
+            self.op.set_draining(leader, False)
+            self.op.readmit(leader)
+        except OperationError as exc:
+            self.say(f"{leader.name}: could not put it back in service: {exc}; run "
+                     f"`pdtopo drain {leader.name} {self.dep.run_dir} --undo`")
+
+    def _drop_programs(self, names: list[str]) -> None:
+        """Stop (when it runs) and remove each program's supervisord group; every name is
+        tried, the first failure is raised after the rest."""
+        failures = []
+        states = self.sv.states()
+        for name in names:
+            try:
+                if states.get(name, ("STOPPED", 0))[0] in LIVE_STATES:
+                    self.sv.call("supervisor.stopProcess", name, True)
+                if name in states:
+                    self.sv.call("supervisor.removeProcessGroup", name)
+            except CALL_ERRORS as exc:
+                failures.append(f"{name}: {exc}")
+        if failures:
+            raise OperationError(f"supervisord could not stop or remove {'; '.join(failures)}")
 
     def start(self, plan: Plan, added: list[Process]) -> None:
         """Reread supervisord.conf and start the new programs, waiting for their health."""
@@ -145,7 +169,7 @@ class Scaler:
             changes = self.sv.call("supervisor.reloadConfig")[0]
             for name in changes[0]:  # added groups only: running programs are not touched
                 self.sv.call("supervisor.addProcessGroup", name)
-        except (SupervisorError, OSError) as exc:
+        except CALL_ERRORS as exc:
             raise OperationError(f"supervisord could not add {', '.join(p.name for p in added)}:"
                                  f" {exc}") from None
         part = Plan(plan.topology, plan.mode, plan.platform, plan.accelerator,
@@ -177,41 +201,64 @@ class Scaler:
         self.say(f"{leader.name}: in the router after {took:.1f} s")
 
     def roll_back(self, added: list[Process], old: RunFiles) -> None:
+        """Every step on its own (one failing does not skip the rest); the run dir is restored
+        whatever happens."""
         self.say("rolling back: removing the new programs, restoring the run dir")
-        for leader in added:
+        try:
+            for leader in added:
+                try:  # a queued addition may show up late: wait for it, then remove it
+                    wait_until(lambda leader=leader: self.dep.router.answers_listed(
+                        leader.url, True), 3.0)
+                    self.dep.router.remove(leader)
+                except OperationError as exc:
+                    self.say(f"{leader.name}: {exc}")
             try:
-                self.dep.router.remove(leader)
+                self._drop_programs([p.name for p in added])
             except OperationError as exc:
-                self.say(f"{leader.name}: {exc}")
-        states = self.sv.states()
-        try:
-            self._drop_programs([p.name for p in added if p.name in states])
-        except OperationError as exc:
-            self.say(str(exc))
-        old.write(self.dep.run_dir)
-        try:
-            self.sv.call("supervisor.reloadConfig")
-        except (SupervisorError, OSError) as exc:
-            self.say(f"supervisord could not reread the restored conf: {exc}")
+                self.say(str(exc))
+        finally:
+            old.write(self.dep.run_dir)
+            try:
+                self.sv.call("supervisor.reloadConfig")
+            except CALL_ERRORS as exc:
+                self.say(f"supervisord could not reread the restored conf: {exc}")
 
 
 def _shape(plan: Plan) -> str:
     return ", ".join(f"{role}={len(role_leaders(plan, role))}" for role in ROLES)
 
 
+def _counts(plan: Plan) -> dict[str, int]:
+    return {role: len(role_leaders(plan, role)) for role in ROLES}
+
+
+def _apply(scaler: Scaler, files: RunFiles, con: Any) -> None:
+    files.write(scaler.dep.run_dir)
+    try:
+        scaler.sv.call("supervisor.reloadConfig")
+    except CALL_ERRORS as exc:
+        con.print(f"[bold yellow]WARNING:[/] supervisord could not reread {CONF_FILE}: {exc}")
+
+
 def run(run_dir: Path, args: list[str]) -> int:
-    """The CLI verb: 0 when the deployment has the new shape, 1 when it failed (nothing half
-    done is left), 2 for a bad request."""
+    """The CLI verb: 0 when the deployment has the new shape, 1 when it failed (the run dir
+    then describes what runs: the shape reached), 2 for a bad request (nothing changed)."""
     con = display.console()
     err = display.console(stderr=True)
     try:
         counts = parse_counts(args)
         dep = Deployment.load(run_dir, verb="scale")
         new_cfg, new_plan = plan_scale(dep, counts)
+        before = _counts(dep.plan)
+        # after the scale-in, before the scale-out: where a failed scale-out returns to
+        mid = {role: min(counts.get(role, n), n) for role, n in before.items()}
+        new = render_files(dep, new_cfg, new_plan)
+        restore = (render_files(dep, *plan_scale(dep, mid)) if mid != before
+                   else RunFiles.read(run_dir))
     except TopologyError as exc:
         display.print_topology_error(exc, err)
         return 2
-    except OperationError as exc:
+    except (OperationError, RuntimeError, OSError, ValueError) as exc:
         err.print(f"[bold red]pdtopo scale:[/] {exc}")
         return 2
     added, removed = changed_leaders(dep.plan, new_plan)
@@ -223,26 +270,23 @@ def run(run_dir: Path, args: list[str]) -> int:
               + (f"; removing {', '.join(p.name for p in removed)}" if removed else ""))
     scaler = Scaler(dep, con.print)
     t0 = time.monotonic()
-    old = RunFiles.read(run_dir)
-    new = render_files(dep, new_cfg, new_plan)
+    gone: list[Process] = []
     try:
         for leader in removed:
             scaler.remove(leader)
-    except OperationError as exc:
-        con.print(f"[bold red]pdtopo scale:[/] {exc}")
+            gone.append(leader)
+    except (OperationError, KeyboardInterrupt) as exc:
+        con.print(f"[bold red]pdtopo scale:[/] {exc or 'interrupted'}")
+        if gone:  # the run dir says what runs now: the instances removed so far are gone
+            reached = dict(before)
+            for leader in gone:
+                reached[leader.role] -= 1
+            _apply(scaler, render_files(dep, *plan_scale(dep, reached)), con)
+            con.print(f"stopped at {', '.join(f'{r}={n}' for r, n in reached.items())}")
         return 1
-    if removed and not added:
-        new.write(run_dir)
-        try:
-            scaler.sv.call("supervisor.reloadConfig")
-        except (SupervisorError, OSError) as exc:
-            con.print(f"[bold yellow]WARNING:[/] supervisord could not reread {CONF_FILE}: {exc}")
-    if added:
-        # scale-in done: the restore point of a failed scale-out is the shape after it
-        if removed:
-            mid_cfg, mid_plan = plan_scale(dep, {r: min(counts.get(r, n), n) for r, n in (
-                (role, len(role_leaders(dep.plan, role))) for role in ROLES)})
-            old = render_files(dep, mid_cfg, mid_plan)
+    if not added:
+        _apply(scaler, new, con)
+    else:
         new.write(run_dir)
         try:
             scaler.start(new_plan, [p for p in new_plan.processes
@@ -251,7 +295,7 @@ def run(run_dir: Path, args: list[str]) -> int:
                 scaler.register(leader)
         except (OperationError, KeyboardInterrupt) as exc:
             con.print(f"[bold red]pdtopo scale:[/] {exc or 'interrupted'}")
-            scaler.roll_back(added, old)
+            scaler.roll_back(added, restore)
             return 1
     con.print(f"[bold green]scaled[/] to {_shape(new_plan)} in {time.monotonic() - t0:.1f} s")
     return 0

@@ -27,6 +27,11 @@ class SupervisorError(RuntimeError):
     pass
 
 
+# what a `Supervisor.call` may raise: supervisord's own faults (xmlrpc Fault: NOT_RUNNING,
+# BAD_NAME, ...), a dead socket, our errors
+CALL_ERRORS = (SupervisorError, OSError, xmlrpc.client.Error)
+
+
 def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False

@@ -114,6 +114,7 @@ def release(ctx: zmq.Context) -> None:
 
 def secure_router(sock: zmq.Socket, keys: CurveKeys, domain: str) -> None:
     sock.curve_server = True
+    sock.zap_enforce_domain = True  # no authenticator for the domain: refuse, never admit
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.zap_domain = domain.encode()

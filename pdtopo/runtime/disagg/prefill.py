@@ -203,6 +203,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         if sender.poll() == KVPoll.Failed:
             exc = sender.failure_exception()
             status = getattr(exc, "status", None) or 500
+            self.pd_metrics.failed(status)
             self.finish_request(req, FinishReason.abort(f"KV transfer setup failed: {exc}", status))
             return
         self.metrics.ttft.observe(max(0.0, time.monotonic() - req.arrival_time))
@@ -228,6 +229,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             self.num_skipped_pages += k
             return k
         sender.abort(problem, status=500)
+        self.pd_metrics.failed(500)
         self.finish_request(req, FinishReason.abort(f"KV transfer refused: {problem}", 500))
         return None
 

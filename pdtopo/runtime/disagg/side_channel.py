@@ -116,19 +116,23 @@ class SideChannel:
             if not host or not port.isdigit():
                 raise ValueError(f"side channel bind address must be host:port, got {bind!r}")
             self._router = self._ctx.socket(zmq.ROUTER)
-            if curve is not None:
-                secure_router(self._router, curve,
-                              admit_only(self._ctx, curve, lambda: self._count("curve_denied")))
-                self._curve_users = 1
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._router.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
-            self._router_monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            if int(port) == 0:
-                self.port = self._router.bind_to_random_port(f"tcp://{host}")
-            else:
-                self._router.bind(f"tcp://{host}:{port}")
-                self.port = int(port)
+            try:
+                if curve is not None:
+                    self._curve_users = 1
+                    secure_router(self._router, curve, admit_only(
+                        self._ctx, curve, lambda: self._count("curve_denied")))
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self._router.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
+                self._router_monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                if int(port) == 0:
+                    self.port = self._router.bind_to_random_port(f"tcp://{host}")
+                else:
+                    self._router.bind(f"tcp://{host}:{port}")
+                    self.port = int(port)
+            except Exception:  # e.g. the port is taken: leave nothing open behind
+                self._abandon()
+                raise
             self.address = f"{host}:{self.port}"
         self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
         self._thread.start()
@@ -149,7 +153,8 @@ class SideChannel:
         message, so a message that arrives after this call returns is always dropped."""
         if self._stop.is_set():
             raise RuntimeError(f"{self.name}: side channel is closed")
-        self._forgotten.put(room)
+        self._forgotten.put(room)  # at once, before the next message is accepted ...
+        self._put(("forget", room))  # ... and again after the sends queued before this call
 
     def stats(self) -> dict[str, int]:
         with self._stats_lock:
@@ -161,6 +166,19 @@ class SideChannel:
         self._stop.set()
         self._wake()
         self._thread.join(timeout=5)
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._curve_users:
+            self._curve_users = 0
+            release(self._ctx)
+
+    def _abandon(self) -> None:
+        """Undo a constructor that failed before its I/O thread started."""
+        if self._router_monitor is not None:
+            self._router.disable_monitor()
+            self._router_monitor.close(linger=0)
+        if self._router is not None:
+            self._router.close(linger=0)
         self._wake_r.close()
         self._wake_w.close()
         if self._curve_users:
@@ -372,6 +390,9 @@ class SideChannel:
                 return
             if item[0] == "send":
                 self._do_send(item[1], item[2])
+            elif item[0] == "forget":  # a send queued before forget() may have re-added it
+                self._owners.pop(item[1], None)
+                self._expected.pop(item[1], None)
 
     def _apply_forgets(self) -> None:
         while True:
