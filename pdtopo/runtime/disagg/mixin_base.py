@@ -107,13 +107,10 @@ class DisaggregationMixinBase:
                 "pd_side_channel_curve": channel.curve is not None,
                 "pd_side_channel_curve_denied": stats.get("curve_denied", 0)}
 
-    def publish_stats(self) -> None:
-        super().publish_stats()
+    def extra_stats(self) -> dict[str, Any]:
         if getattr(self, "kv_manager", None) is None:
-            return  # called from Scheduler.__init__, before the mixin is set up
-        extra = self.pd_state()
-        with self._stats_lock:
-            self._stats.update(extra)
+            return {}  # called from Scheduler.__init__, before the mixin is set up
+        return {**super().extra_stats(), **self.pd_state()}
 
     def start(self) -> None:
         if self.bootstrap is not None:

@@ -558,6 +558,10 @@ class Scheduler:
             self._evictable = (now, cache.num_evictable())
         return min(self._evictable[1], cache.num_pages)
 
+    def extra_stats(self) -> dict[str, Any]:
+        """More counters for the same snapshot (the PD mixins add theirs)."""
+        return {}
+
     def publish_stats(self) -> None:
         now = time.monotonic()
         win = self._tput_window
@@ -590,8 +594,9 @@ class Scheduler:
             "page_problems": None if self.reqs else self._idle_page_problems(),
             "gen_throughput": tput,
             "alive": self.alive,
+            **self.extra_stats(),
         }
-        with self._stats_lock:
+        with self._stats_lock:  # one replacement: a reader never sees half of a snapshot
             self._stats = stats
         m = self.metrics
         m.num_running.set(stats["num_running"])
