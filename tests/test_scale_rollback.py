@@ -111,3 +111,16 @@ def test_drain_timeout_keeps_the_instance(tmp_path):
         s.remove(_leader("prefill_1", 9001))
     assert undone == [("prefill_1", False), ("prefill_1", "readmit")]
     assert router.urls == {"http://127.0.0.1:9001"} and sv.st == {"prefill_1": "RUNNING"}
+
+
+def test_scale_in_refused_when_no_instance_that_stays_serves(tmp_path):
+    sv = FakeSupervisor({"prefill_0": "RUNNING", "prefill_1": "RUNNING"})
+    s, _said, _undone = _scaler(tmp_path, sv, FakeRouter(set()))
+    kept, gone = _leader("prefill_0", 9000), _leader("prefill_1", 9001)
+    plan = SimpleNamespace(processes=[SimpleNamespace(**vars(kept), leader=True,
+                                                      instance_id="prefill_0")])
+    s.op._serving = lambda p: False  # prefill_0 was drained by hand
+    with pytest.raises(OperationError, match="no prefill instance that stays"):
+        s.check_kept_serve(plan, [gone])
+    s.op._serving = lambda p: p.name == "prefill_0"
+    s.check_kept_serve(plan, [gone])  # serving: allowed

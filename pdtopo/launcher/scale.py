@@ -115,6 +115,18 @@ class Scaler:
         self.sv = self.op.sv
         self.con = display.console()
 
+    def check_kept_serve(self, new_plan: Plan, removed: list[Process]) -> None:
+        """Scale-in only when an instance that stays serves each shrinking role (one drained
+        by hand, or down, does not count): otherwise the role would have no server."""
+        for role in dict.fromkeys(p.role for p in removed):
+            kept = role_leaders(new_plan, role)
+            if not any(self.op._serving(p) for p in kept):
+                raise OperationError(
+                    f"no {role} instance that stays ({', '.join(p.name for p in kept)}) is "
+                    f"serving now (drained or down), so removing "
+                    f"{', '.join(p.name for p in removed if p.role == role)} would leave the "
+                    f"router no {role} server; `pdtopo drain ... --undo` or restart it first")
+
     def remove(self, leader: Process) -> None:
         left = self.op.drain(leader)
         try:
@@ -271,6 +283,11 @@ def run(run_dir: Path, args: list[str]) -> int:
     scaler = Scaler(dep, con.print)
     t0 = time.monotonic()
     gone: list[Process] = []
+    try:
+        scaler.check_kept_serve(new_plan, removed)
+    except OperationError as exc:
+        err.print(f"[bold red]pdtopo scale:[/] {exc}")
+        return 2
     try:
         for leader in removed:
             scaler.remove(leader)
