@@ -342,3 +342,8 @@ class SteadyLoad:
         self.stop_event.set()
         for t in self.threads:
             t.join(150)
+
+
+def said(res: subprocess.CompletedProcess) -> str:
+    """A CLI run's stdout with rich's line wrapping undone."""
+    return " ".join(res.stdout.split())

@@ -26,6 +26,7 @@ from tests.e2e_support import (
     generate,
     port_block,
     run_pdtopo,
+    wait_healthy,
 )
 
 pytestmark = [pytest.mark.slow,
@@ -35,20 +36,6 @@ pytestmark = [pytest.mark.slow,
 
 MODEL = ["model.num_layers=2"]
 REQUESTS = 6
-
-
-def wait_ready(url: str, prom: subprocess.Popen, timeout: float = 90.0) -> None:
-    """Prometheus answers 503 on its API until it has loaded its storage and config."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert prom.poll() is None, prom.stdout.read().decode(errors="replace")[-2000:]
-        try:
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"prometheus not ready at {url} after {timeout:g} s")
 
 
 def promql(url: str, query: str) -> float | None:
@@ -102,7 +89,7 @@ def test_prometheus_scrapes_pd_metrics_and_top_shows_traffic(tmp_path_factory):
             assert tl["p_prefill"] > 0 and tl["transit"] == pytest.approx(
                 tl["d_wait_ready"] - tl["p_queue"] - tl["p_prefill"] - tl["p_send"], abs=0.01)
             assert tl["d_transfer"] > 0 and tl["d_ttft"] < out["meta_info"]["e2e_latency"] * 1e3
-        wait_ready(url, prom)
+        wait_healthy(url, 90, prom, path="/-/ready")  # its API answers 503 until then
         up = wait_query(url, 'count(up{job=~"pdtopo-.*"} == 1)', lambda v: v == 3)
         assert up == 3, f"targets up: {up}; {httpx.get(f'{url}/api/v1/targets').text[:2000]}"
         moved = wait_query(url, 'sum(pdtopo:kv_transfer_bytes_total{role="decode"})',

@@ -23,6 +23,7 @@ from tests.e2e_support import (
     pool_state,
     port_block,
     run_pdtopo,
+    said,
     wait_pools_baseline,
 )
 
@@ -32,11 +33,6 @@ MODEL = ["model.num_layers=2"]
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 LONG_TOKENS = 3000  # ~10 s of decoding: decode_0 is drained while it runs
 PROMPTS = [f"Steady request {i}: tell me about rolling restarts" for i in range(4)]
-
-
-def said(res) -> str:
-    """A CLI run's stdout with rich's line wrapping undone."""
-    return " ".join(res.stdout.split())
 
 
 class LongRequest:

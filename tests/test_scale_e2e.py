@@ -24,6 +24,7 @@ from tests.e2e_support import (
     generate,
     port_block,
     run_pdtopo,
+    said,
     wait_pools_baseline,
 )
 
@@ -32,10 +33,6 @@ pytestmark = pytest.mark.slow
 MODEL = ["model.num_layers=2"]
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 PROMPT = "Scaling out and in: what stays the same?"
-
-
-def said(res) -> str:
-    return " ".join(res.stdout.split())
 
 
 def router_workers(proxy_url: str) -> list[tuple[str, str, bool]]:

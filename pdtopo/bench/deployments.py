@@ -110,13 +110,14 @@ class DetachedDeployment:
         run_cli(["stop", str(self.run_dir)], timeout=120)
 
 
-def wait_healthy(url: str, timeout: float = 300, proc: subprocess.Popen | None = None) -> None:
+def wait_healthy(url: str, timeout: float = 300, proc: subprocess.Popen | None = None,
+                 path: str = "/health") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
