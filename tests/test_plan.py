@@ -198,12 +198,14 @@ def test_expand_is_pure_and_deterministic():
 
 
 def test_proxy_retries_and_circuit_breaker_flags():
-    cmd = plan_for("proxy.retries=0", "proxy.circuit_breaker=false").by_name()["proxy"].command
+    cmd = plan_for("proxy.retries=0").by_name()["proxy"].command
     assert "--disable-retries" in cmd and "--disable-circuit-breaker" in cmd
+    cmd = plan_for("proxy.circuit_breaker=true").by_name()["proxy"].command
+    assert "--disable-circuit-breaker" not in cmd
     cmd = plan_for("proxy.retries=2").by_name()["proxy"].command
     assert cmd[cmd.index("--retry-max-retries") + 1] == "2"
     default = plan_for().by_name()["proxy"].command
     assert "--disable-retries" not in default and "--retry-max-retries" not in default
-    assert "--disable-circuit-breaker" not in default
+    assert "--disable-circuit-breaker" in default  # off by default (conf/proxy/rust.yaml)
     with pytest.raises(TopologyError, match="proxy.retries"):
         plan_for("proxy.retries=-1")

@@ -91,3 +91,22 @@ def test_percent_survives_supervisord_parsing(tmp_path):
     assert proxy.process_configs[0].environment["PDTOPO_PROXY_API_KEY"] == "a%b"
     with pytest.raises(ValueError, match="contains '%'"):
         rendered(str(tmp_path / "bad%d"))
+
+
+def test_router_watch_event_listener_section():
+    from pdtopo.launcher.launch import program_settings
+
+    settings = program_settings(compose_config([]))
+    assert settings.router_watch  # PD, one host, rust proxy: on by default
+    _, _, conf = rendered("/runs/r1", settings=settings)
+    sec = "eventlistener:router_watch"
+    assert conf.get(sec, "command") == "/py -m pdtopo.launcher.router_watch /runs/r1"
+    assert conf.get(sec, "events") == "PROCESS_STATE"
+    # stdout is supervisord's event protocol: the log is stderr's
+    assert conf.get(sec, "stderr_logfile") == "/runs/r1/logs/router_watch.log"
+    assert not conf.has_option(sec, "stdout_logfile")
+    for off in (["launcher.router_watch=false"], ["proxy=mini_lb"],
+                ["topology=1p1d_cpu_2host"], ["topology=colocated_cpu"]):
+        assert not program_settings(compose_config(off)).router_watch, off
+    _, _, conf = rendered("/runs/r1")  # ProgramSettings() default: no listener
+    assert not conf.has_section(sec)

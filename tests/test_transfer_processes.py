@@ -124,6 +124,44 @@ def test_killed_prefill_fails_within_timeout(peers):
     assert not D.dump(range(SHAPE[0])).any()
 
 
+def test_pull_on_a_cached_connection_to_a_dead_prefill_fails_at_once(peers):
+    """A pull on D's cached connection to a P that has just died (no replacement listening)
+    fails with a retryable 503 in about a second, far inside kv_timeout_s: D does not take the
+    closed connection for a P restarted at the same address and retry on a new connection
+    (the library's connect succeeds with nobody listening and that pull would hang until the
+    deadline, holding one of D's pull workers)."""
+    P = peers("prefill")
+    D = peers("decode", "--kv-timeout", "30")
+    _transfer(P, D, 1, [3, 4], [5, 6])  # D now holds a cached transfer connection to P
+    assert D.wait(1, 60)["state"] == "Success"
+    P.call("sender", room=2)
+    P.call("send", room=2, pages=[1, 2])
+    D.call("receiver", room=2, p=P.info["zmq_addr"])
+    t0 = time.monotonic()
+    while D.call("stats")["channel"].get("recv_ready", 0) < 2:
+        assert time.monotonic() - t0 < 30, "D never got P's ready for room 2"
+        time.sleep(0.05)
+    P.kill9()
+    D.call("init", room=2, pages=[7, 8])
+    w = D.wait(2, 40)
+    assert w["state"] == "Failed" and w["status"] == 503, w
+    assert w["elapsed"] < 10, w  # not the 30 s KV timeout
+    assert "nothing listens there now" in w["error"] or "disconnected" in w["error"], w
+
+
+def test_listening_probe():
+    import socket
+
+    from pdtopo.runtime.disagg.transfer_engine import _listening
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        addr = f"127.0.0.1:{srv.getsockname()[1]}"
+        assert _listening(addr)
+    assert not _listening(addr)  # closed: refused at once
+    assert not _listening("not-an-address")
+
+
 def test_pull_after_the_prefill_restarted_at_the_same_address(peers):
     """D's cached transfer connection to a P that was replaced by a new process at the same
     address (what a restart under supervisord does) is found closed, replaced, and the pull

@@ -144,7 +144,9 @@ class ProxySchema:
     health_failure_threshold: int = 2  # rust, gateway: failed checks in a row before a worker is out
     health_check_timeout_s: int = 2    # rust, gateway: a health check slower than this failed
     retries: int | None = None        # rust, gateway: null = router default, 0 = --disable-retries
-    circuit_breaker: bool = True      # rust, gateway: false = --disable-circuit-breaker
+    # rust, gateway: false = --disable-circuit-breaker (default: the router charges a PD pair's
+    # failure to both workers, so a dead D opens every P's circuit)
+    circuit_breaker: bool = False
     shutdown_grace_s: int = 10        # gateway: how long a stopping proxy lets requests finish
     # rust, gateway: more router flags, appended to pdtopo's (e.g. ["--worker-wedge-secs",
     # "30"]); a flag pdtopo sets itself is refused at plan time

@@ -83,6 +83,7 @@ class BootstrapSettings:
 @dataclass(frozen=True)
 class ServerSettings:
     bind_host: str | None = MISSING
+    keep_alive_s: float = MISSING
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class LauncherSettings:
     allow_incompatible_roles: bool = MISSING
     drain_timeout_s: float = MISSING
     prometheus_scrape_interval_s: float = MISSING
+    router_watch: bool = MISSING
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bootstrap.heartbeat_interval_s": _POSITIVE,
     "bootstrap.heartbeat_ttl_s": _POSITIVE,
     "bootstrap.register_timeout_s": _POSITIVE,
+    "server.keep_alive_s": _POSITIVE,
     "launcher.health_timeout_s": _POSITIVE,
     "launcher.drain_timeout_s": _POSITIVE,
     "launcher.prometheus_scrape_interval_s": _POSITIVE,

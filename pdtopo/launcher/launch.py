@@ -25,7 +25,7 @@ from rich.live import Live
 
 from pdtopo.bench.job import bench_job, record_job
 from pdtopo.config.run_files import holds_deployment
-from pdtopo.config.schema import TopologyError
+from pdtopo.config.schema import TopologyError, typed_proxy
 from pdtopo.config.settings import group_settings
 from pdtopo.launcher import display, hosts
 from pdtopo.launcher.health import wait_for_programs
@@ -64,7 +64,16 @@ def host_cpus() -> list[int]:
 
 def program_settings(cfg: DictConfig) -> ProgramSettings:
     launcher = group_settings(cfg, "launcher")
-    return ProgramSettings(startsecs=launcher.startsecs, startretries=launcher.startretries)
+    return ProgramSettings(startsecs=launcher.startsecs, startretries=launcher.startretries,
+                           router_watch=launcher.router_watch and watchable(cfg))
+
+
+def watchable(cfg: DictConfig) -> bool:
+    """A deployment the router watch can serve: PD, one host, a proxy with a worker registry
+    (rust, gateway; MiniLB has a fixed list)."""
+    topo = cfg.topology
+    return (topo.mode == "pd" and len(topo.get("hosts") or []) <= 1
+            and typed_proxy(cfg).kind in ("rust", "gateway"))
 
 
 def prepare(cfg: DictConfig, run_dir: Path, *, token: str | None = None,

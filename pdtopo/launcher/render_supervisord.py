@@ -5,7 +5,8 @@ path would exceed the AF_UNIX path limit; `[rpcinterface:supervisor]` and `[supe
 so `supervisorctl -c RUN/supervisord.conf` works; one `[program:NAME]` per plan process, in
 plan order. The deployment token (and the proxy's API key, `Process.secret_env`) go into the
 programs' environment, so the conf is written with mode 0600. Processes with `cpu_affinity`
-run through `pdtopo.launcher.pin`.
+run through `pdtopo.launcher.pin`. With `ProgramSettings.router_watch`, an
+`[eventlistener:router_watch]` (pdtopo.launcher.router_watch) follows the programs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pdtopo.launcher.plan import Plan, Process
 SOCKET_NAME = "supervisor.sock"
 MAX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux (104 on macOS); keep a margin
 PIN_MODULE = "pdtopo.launcher.pin"
+ROUTER_WATCH_MODULE = "pdtopo.launcher.router_watch"
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class ProgramSettings:
     startretries: int = 3
     stopwaitsecs: int = PROGRAM_STOP_WAIT_S
     stopsignal: str = "TERM"
+    router_watch: bool = False  # add the router watch event listener (launcher.router_watch)
 
 
 def socket_path(run_dir: str | PurePath) -> str:
@@ -114,4 +117,27 @@ def render_supervisord(plan: Plan, *, run_dir: str | PurePath, token: str,
             "redirect_stderr=true",
             "",
         ]
+    proxy = next((p for p in plan.processes if p.role == "proxy"), None)
+    if settings.router_watch and proxy is not None:
+        lines += _router_watch(proxy.command[0], run, workdir)
     return "\n".join(lines)
+
+
+def _router_watch(python: str, run: PurePath, workdir: str | PurePath) -> list[str]:
+    """The event listener section; its stdout is supervisord's event protocol, so its log is
+    its stderr."""
+    return [
+        "[eventlistener:router_watch]",
+        f"command={_escape(shlex.join([python, '-m', ROUTER_WATCH_MODULE, str(run)]))}",
+        "events=PROCESS_STATE",
+        f"directory={_escape(str(workdir))}",
+        "priority=1",
+        "autostart=true",
+        "autorestart=true",
+        "stopasgroup=true",
+        "killasgroup=true",
+        f"stderr_logfile={_escape(str(run / 'logs' / 'router_watch.log'))}",
+        "stderr_logfile_maxbytes=10MB",
+        "stderr_logfile_backups=2",
+        "",
+    ]

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     state = ServerState(ctx)
     app = create_app(state)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                    timeout_graceful_shutdown=5, http=HttpProtocol))
+                                    timeout_graceful_shutdown=5, http=HttpProtocol,
+                                    timeout_keep_alive=ctx.settings.server.keep_alive_s))
 
     def loader() -> None:
         try:

@@ -35,6 +35,7 @@ import logging
 import math
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -57,6 +58,18 @@ class KVTransferTimeout(KVTransferError, TimeoutError):
 def _stale(exc: BaseException) -> bool:
     """The error of a pull over a connection whose socket the peer had closed."""
     return "connection closed" in str(exc).lower()
+
+
+def _listening(peer: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at "host:port" now. The transfer library's
+    own connect() succeeds even when nothing listens (its pull then hangs), so a plain socket
+    tells a P that is down from one that restarted."""
+    host, _, port = peer.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _poison_connection(conn: Any) -> None:
@@ -233,7 +246,7 @@ class JaxTransferKVEngine:
 
     def _drop_connection(self, peer: str, conn: Any, *, poison: bool) -> None:
         with self._lock:
-            if self._conns.get(peer) is conn:
+            if conn is not None and self._conns.get(peer) is conn:
                 del self._conns[peer]
         if poison and conn is not None:
             _poison_connection(conn)
@@ -311,12 +324,19 @@ class JaxTransferKVEngine:
                 except Exception as e:
                     # A cached connection to a P that restarted since (same address, new
                     # process) fails with "Connection closed" before anything is read: that
-                    # P never saw the pull, so one retry on a new connection is safe.
+                    # P never saw the pull, so one retry on a new connection is safe. A P that
+                    # just died gives the same error; nothing listens at its address then,
+                    # and a retry would hang until the deadline (holding a pull worker).
                     if fresh or attempt or p.future.done() or not _stale(e):
                         raise
+                    self._drop_connection(p.peer, conn, poison=False)
+                    if not _listening(p.peer):
+                        raise KVTransferError(
+                            f"room {p.room}: the prefill transfer server at {p.peer} closed "
+                            "the connection and nothing listens there now (it died); its KV "
+                            "for this request will not come", status=503) from None
                     log.info("room %s: cached transfer connection to %s was closed (%s); "
                              "pulling again on a new one", p.room, p.peer, e)
-                    self._drop_connection(p.peer, conn, poison=False)
             self._settle(p, result=arrays)
         except KVTransferError as e:
             self._settle(p, exc=e)
