@@ -32,9 +32,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor import childutils
+
 from pdtopo.launcher.admin_http import OperationError
 from pdtopo.launcher.health import probe
 from pdtopo.launcher.plan import Plan, Process
+from pdtopo.launcher.rolling import Deployment
 from pdtopo.launcher.router_admin import RouterAdmin
 
 PROGRAM = "router_watch"
@@ -151,14 +154,7 @@ class Watch:
                 time.sleep(self.poll_s)
 
 
-def _router(run_dir: Path) -> RouterAdmin:
-    from pdtopo.launcher.rolling import Deployment
-    return Deployment.load(run_dir, "router_watch").router
-
-
 def main(argv: list[str] | None = None) -> int:
-    from supervisor import childutils
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m pdtopo.launcher.router_watch RUN_DIR", file=sys.stderr)
@@ -167,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(args[0])
-    watch = Watch(run_dir, _router(run_dir))
+    watch = Watch(run_dir, Deployment.load(run_dir, "router_watch").router)
     threading.Thread(target=watch.run_forever, name="router-watch", daemon=True).start()
     log.info("watching %s for P/D exits (router %s)", run_dir, watch.router.url)
     while True:
