@@ -104,7 +104,8 @@ def test_launch_status_stop_with_fake_engine(tmp_path, fake_env):
         assert endpoints[0].split()[0] == "proxy" and "send requests here" in endpoints[0]
         sv = Supervisor(run)
         infos = {i["name"]: i for i in sv.processes()}
-        assert set(infos) == {"bootstrap", "prefill_0", "decode_0", "proxy"}
+        # the plan's programs and the router watch (an event listener, launcher.router_watch)
+        assert set(infos) == {"bootstrap", "prefill_0", "decode_0", "proxy", "router_watch"}
         assert {i["statename"] for i in infos.values()} == {"RUNNING"}
         token = (run / "token").read_text().strip()
         log = (run / "logs" / "prefill_0.log").read_text()
