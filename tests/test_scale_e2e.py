@@ -108,8 +108,8 @@ def test_scale_out_then_in_under_load(tmp_path_factory):
         assert [p["name"] for p in plan["processes"]] == ["bootstrap", "prefill_0", "decode_0",
                                                           "decode_1", "proxy"]
         assert router_workers(dep.proxy_url) == planned_workers(plan)
-        states = sv.states()
-        assert sorted(states) == sorted(p["name"] for p in plan["processes"])
+        states = sv.states()  # the plan's programs and the router watch (an event listener)
+        assert sorted(states) == sorted([*(p["name"] for p in plan["processes"]), "router_watch"])
         assert all(state == "RUNNING" for state, _pid in states.values()), states
         for name in ("bootstrap", "prefill_0", "decode_0", "decode_1", "proxy"):
             assert states[name][1] == before[name], name  # nothing that stayed was restarted

@@ -125,6 +125,9 @@ class DisaggregationMixinBase:
                     f"{timeout:g}s (bootstrap.register_timeout_s); see the warnings above")
         else:
             log.warning("no bootstrap server in this process's plan: not registering")
+        # the snapshot published in Scheduler.__init__ predates the mixin's state: republish
+        # before the loop starts, so a reader never sees one without the pd_* counters
+        self.publish_stats()
         super().start()
 
     def wait_registered(self, timeout_s: float) -> bool:

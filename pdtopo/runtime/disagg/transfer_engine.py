@@ -310,6 +310,14 @@ class JaxTransferKVEngine:
             self.faults.check(f"pull of room {p.room} from {p.peer}")
             for attempt in range(2):
                 conn, fresh = self._connection(p.peer)
+                if fresh and not _listening(p.peer):
+                    # a new connection to an address nobody listens on: the library's
+                    # connect "succeeds" and its pull would hang until the deadline
+                    self._drop_connection(p.peer, conn, poison=False)
+                    raise KVTransferError(
+                        f"room {p.room}: nothing listens at the prefill transfer server "
+                        f"{p.peer} (it died); its KV for this request will not come",
+                        status=503)
                 with _SETTLE_LOCK:  # the watchdog poisons p.conn iff set before timing out
                     if p.future.done():
                         return
