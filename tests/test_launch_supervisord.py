@@ -120,7 +120,7 @@ def test_launch_status_stop_with_fake_engine(tmp_path, fake_env):
         assert status.stdout.count("healthy") >= 4
         ctl = subprocess.run(["supervisorctl", "-c", str(run / "supervisord.conf"), "status"],
                              capture_output=True, text=True, timeout=60)
-        assert ctl.stdout.count("RUNNING") == 4, ctl.stdout
+        assert ctl.stdout.count("RUNNING") == 5, ctl.stdout  # 4 programs + the router watch
         logs = pdtopo(tmp_path, "logs", "decode_0", str(run), env=fake_env)
         assert "fake decode_0" in logs.stdout
         # latest run by default

@@ -104,7 +104,7 @@ def test_router_watch_event_listener_section():
     assert conf.get(sec, "events") == "PROCESS_STATE"
     # stdout is supervisord's event protocol: the log is stderr's
     assert conf.get(sec, "stderr_logfile") == "/runs/r1/logs/router_watch.log"
-    assert not conf.has_option(sec, "stdout_logfile")
+    assert conf.get(sec, "stdout_logfile") == "NONE"
     for off in (["launcher.router_watch=false"], ["proxy=mini_lb"],
                 ["topology=1p1d_cpu_2host"], ["topology=colocated_cpu"]):
         assert not program_settings(compose_config(off)).router_watch, off

@@ -136,6 +136,7 @@ def _router_watch(python: str, run: PurePath, workdir: str | PurePath) -> list[s
         "autorestart=true",
         "stopasgroup=true",
         "killasgroup=true",
+        "stdout_logfile=NONE",  # the protocol channel: no AUTO log file of it in logs/
         f"stderr_logfile={_escape(str(run / 'logs' / 'router_watch.log'))}",
         "stderr_logfile_maxbytes=10MB",
         "stderr_logfile_backups=2",
