@@ -37,12 +37,11 @@ from supervisor import childutils
 from pdtopo.launcher.admin_http import OperationError
 from pdtopo.launcher.health import probe
 from pdtopo.launcher.plan import Plan, Process
-from pdtopo.launcher.rolling import Deployment
+from pdtopo.launcher.rolling import SERVER_ROLES, Deployment
 from pdtopo.launcher.router_admin import RouterAdmin
 
 PROGRAM = "router_watch"
 DEAD_STATES = ("PROCESS_STATE_EXITED", "PROCESS_STATE_BACKOFF", "PROCESS_STATE_FATAL")
-SERVER_ROLES = ("prefill", "decode")
 READMIT_POLL_S = 0.5
 log = logging.getLogger("pdtopo.router_watch")
 
