@@ -40,7 +40,6 @@ from pdtopo.launcher.plan import Plan, Process
 from pdtopo.launcher.rolling import SERVER_ROLES, Deployment
 from pdtopo.launcher.router_admin import RouterAdmin
 
-PROGRAM = "router_watch"
 DEAD_STATES = ("PROCESS_STATE_EXITED", "PROCESS_STATE_BACKOFF", "PROCESS_STATE_FATAL")
 READMIT_POLL_S = 0.5
 log = logging.getLogger("pdtopo.router_watch")

@@ -311,12 +311,13 @@ class JaxTransferKVEngine:
             for attempt in range(2):
                 conn, fresh = self._connection(p.peer)
                 if fresh and not _listening(p.peer):
-                    # a new connection to an address nobody listens on: the library's
-                    # connect "succeeds" and its pull would hang until the deadline
+                    # a new connection (first pull, or the retry below) to an address nobody
+                    # listens on: the library's connect "succeeds" and its pull would hang
+                    # until the deadline, holding a pull worker
                     self._drop_connection(p.peer, conn, poison=False)
                     raise KVTransferError(
-                        f"room {p.room}: nothing listens at the prefill transfer server "
-                        f"{p.peer} (it died); its KV for this request will not come",
+                        f"room {p.room}: the prefill transfer server at {p.peer} is gone: "
+                        "nothing listens there now; its KV for this request will not come",
                         status=503)
                 with _SETTLE_LOCK:  # the watchdog poisons p.conn iff set before timing out
                     if p.future.done():
@@ -333,16 +334,11 @@ class JaxTransferKVEngine:
                     # A cached connection to a P that restarted since (same address, new
                     # process) fails with "Connection closed" before anything is read: that
                     # P never saw the pull, so one retry on a new connection is safe. A P that
-                    # just died gives the same error; nothing listens at its address then,
-                    # and a retry would hang until the deadline (holding a pull worker).
+                    # just died gives the same error: the new connection's check above then
+                    # finds nothing listening and fails the room.
                     if fresh or attempt or p.future.done() or not _stale(e):
                         raise
                     self._drop_connection(p.peer, conn, poison=False)
-                    if not _listening(p.peer):
-                        raise KVTransferError(
-                            f"room {p.room}: the prefill transfer server at {p.peer} closed "
-                            "the connection and nothing listens there now (it died); its KV "
-                            "for this request will not come", status=503) from None
                     log.info("room %s: cached transfer connection to %s was closed (%s); "
                              "pulling again on a new one", p.room, p.peer, e)
             self._settle(p, result=arrays)
