@@ -16,12 +16,13 @@ from pdtopo.launcher.plan import expand_plan
 
 @pytest.fixture
 def router():
-    state = {"workers": [], "status": 200}
+    state = {"workers": [], "status": 200, "key": None}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server API
             body = json.dumps({"workers": state["workers"], "total": len(state["workers"])})
-            self.send_response(state["status"])
+            keyed = state["key"] and self.headers.get("Authorization") != f"Bearer {state['key']}"
+            self.send_response(401 if keyed else state["status"])
             self.end_headers()
             self.wfile.write(body.encode())
 
@@ -49,6 +50,18 @@ def test_router_without_worker_registry_is_ready(router):
     url, state = router
     state["status"] = 404  # MiniLB has no /workers
     assert router_workers_ready(url, 2)
+
+
+def test_a_router_with_an_api_key_is_read_with_it(router):
+    """A 401 is not "no registry": without the key the launcher would call a router ready
+    before it had registered any worker."""
+    url, state = router
+    state["key"] = "k3y"
+    assert not router_workers_ready(url, 1)
+    assert not router_workers_ready(url, 1, api_key="k3y")  # no workers yet
+    state["workers"] = [{"url": "p", "is_healthy": True}]
+    assert not router_workers_ready(url, 1, api_key="wrong")
+    assert router_workers_ready(url, 1, api_key="k3y")
 
 
 def test_unreachable_router_is_not_ready():

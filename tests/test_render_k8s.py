@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pdtopo.cli import main
+from pdtopo.config.credentials import derived_api_key
 from pdtopo.launcher.k8s_plan import GROUP_VAR, WORKER_VAR, pod_name
 from pdtopo.launcher.render_k8s import config_hash, to_yaml
 from pdtopo.runtime.settings import TOKEN_ENV, load_process_context
@@ -101,7 +102,8 @@ def test_k8s_manifests_golden(tmp_path, topology):
     cm = next(p for p in (run / "k8s").iterdir() if "-configmap-" in p.name)
     digest = config_hash(config, yaml.safe_load(cm.read_text())["data"]["plan.json"])
     for name in names:
-        text = neutral_text((run / "k8s" / name).read_text(), {token: "TOKEN"})
+        text = neutral_text((run / "k8s" / name).read_text(),
+                            {token: "TOKEN", derived_api_key(token): "DERIVED_API_KEY"})
         obj = yaml.safe_load(text)
         if obj["kind"] == "ConfigMap":  # the composed config: RUN/config.yaml, not golden (it
             assert obj["data"]["config.yaml"] == config  # changes with every new config key)

@@ -49,19 +49,20 @@ def record_job(run_dir: Path, status: str, *, cfg: DictConfig | None = None,
 
 
 def bench_job(cfg: DictConfig, run_dir: Path, plan: Any, launch_to_healthy_s: float | None,
-              con: Console) -> int:
+              con: Console, api_key: str | None = None) -> int:
+    """`api_key`: the proxy's key, when it has one (sent, never recorded)."""
     extra = {"launch_to_healthy_s": launch_to_healthy_s}
     try:
         settings = BenchSettings.from_config(cfg.get("bench"))
         url = url_of_plan(plan.to_dict() if hasattr(plan, "to_dict") else plan)
         timeout = group_settings(cfg, "launcher").health_timeout_s
-        waited = wait_serving(url, timeout)
+        waited = wait_serving(url, timeout, api_key=api_key)
         if launch_to_healthy_s is not None:
             extra["launch_to_serving_s"] = launch_to_healthy_s + waited
         con.print(f"bench: {settings.num_workload_requests} requests ({settings.workload}) at "
                   f"{settings.request_rate} req/s "
                   f"against {url}")
-        metrics = run_bench(url, settings)
+        metrics = run_bench(url, settings, api_key=api_key)
     except Exception as exc:  # noqa: BLE001 - any failure is a failed job, never a crash
         con.print(f"[bold red]bench failed:[/] {exc}")
         record_job(run_dir, "failed", cfg=cfg, error=f"bench: {exc}", exit_code=1,

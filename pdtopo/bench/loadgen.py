@@ -129,9 +129,10 @@ async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest,
 
 
 @asynccontextmanager
-async def _session(settings: BenchSettings, total: int,
-                   progress: bool | None) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    """One pooled client for the run and the progress bar; yields (client, advance(ok))."""
+async def _session(settings: BenchSettings, total: int, progress: bool | None,
+                   api_key: str | None = None) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """One pooled client for the run and the progress bar; yields (client, advance(ok)).
+    `api_key`: sent as `Authorization: Bearer` (a proxy with an API key)."""
     limits = httpx.Limits(max_connections=settings.max_concurrency,
                           max_keepalive_connections=settings.max_concurrency)
     timeout = httpx.Timeout(settings.timeout_s, connect=min(10.0, settings.timeout_s))
@@ -140,7 +141,8 @@ async def _session(settings: BenchSettings, total: int,
                    TextColumn("errors {task.fields[errors]}"), TimeElapsedColumn(),
                    disable=not show, transient=True)
     errors = 0
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=timeout,
+                                 headers=auth_headers(api_key)) as client:
         with bar:
             task = bar.add_task("bench", total=total, errors=0)
 
@@ -150,6 +152,10 @@ async def _session(settings: BenchSettings, total: int,
                 bar.update(task, advance=1, errors=errors)
 
             yield client, advance
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def _send(client, url, req, settings, res) -> None:
@@ -183,13 +189,14 @@ async def _at_offsets(offsets: list[float], sem: asyncio.Semaphore | None, start
 
 async def run_load_async(url: str, requests: list[BenchRequest], settings: BenchSettings,
                          *, progress: bool | None = None,
-                         offsets: list[float] | None = None) -> tuple[list[RequestResult], float]:
+                         offsets: list[float] | None = None,
+                         api_key: str | None = None) -> tuple[list[RequestResult], float]:
     """Send `requests`; returns (results in request order, wall duration in seconds)."""
     url = url.rstrip("/")
     offsets = arrival_offsets(len(requests), settings) if offsets is None else offsets
     results = [RequestResult(i, r.tag, r.input_len, r.output_len) for i, r in enumerate(requests)]
     sem = asyncio.Semaphore(settings.max_concurrency)
-    async with _session(settings, len(requests), progress) as (client, advance):
+    async with _session(settings, len(requests), progress, api_key) as (client, advance):
         async def one(i: int) -> None:
             try:
                 await _send(client, url, requests[i], settings, results[i])
@@ -202,7 +209,8 @@ async def run_load_async(url: str, requests: list[BenchRequest], settings: Bench
 
 
 async def run_conversations_async(url: str, conversations: list[Conversation],
-                                  settings: BenchSettings, *, progress: bool | None = None
+                                  settings: BenchSettings, *, progress: bool | None = None,
+                                  api_key: str | None = None
                                   ) -> tuple[list[RequestResult], float]:
     """Send a multiturn workload; results in (conversation, turn) order, tagged `turn<k>`."""
     url = url.rstrip("/")
@@ -210,7 +218,7 @@ async def run_conversations_async(url: str, conversations: list[Conversation],
     results = [RequestResult(c.index * turns + t, f"turn{t + 1}", None, c.output_lens[t])
                for c in conversations for t in range(turns)]
     sem = asyncio.Semaphore(settings.max_concurrency)
-    async with _session(settings, len(results), progress) as (client, advance):
+    async with _session(settings, len(results), progress, api_key) as (client, advance):
         async def converse(ci: int) -> None:
             conv, history = conversations[ci], []
             for t in range(turns):

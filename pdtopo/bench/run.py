@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from pdtopo.bench import stats
-from pdtopo.bench.loadgen import run_conversations, run_load
+from pdtopo.bench.loadgen import auth_headers, run_conversations, run_load
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.workload import build_workload, multiturn, warmup_workload
 
@@ -34,12 +34,13 @@ def url_of_plan(plan: dict) -> str:
     raise ValueError(f"plan of {plan.get('topology')!r} has neither a proxy nor a server to bench")
 
 
-def wait_serving(url: str, timeout_s: float = 120.0, poll_s: float = 0.25) -> float:
+def wait_serving(url: str, timeout_s: float = 120.0, poll_s: float = 0.25,
+                 api_key: str | None = None) -> float:
     """Block until `url` completes a 1-token /generate; returns the seconds waited."""
     t0 = time.perf_counter()
     body = {"input_ids": [65, 66], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     last = ""
-    with httpx.Client(timeout=30.0) as client:
+    with httpx.Client(timeout=30.0, headers=auth_headers(api_key)) as client:
         while True:
             try:
                 resp = client.post(f"{url.rstrip('/')}/generate", json=body)
@@ -55,7 +56,8 @@ def wait_serving(url: str, timeout_s: float = 120.0, poll_s: float = 0.25) -> fl
 
 
 def run_bench(url: str, settings: BenchSettings, *, workload=None, progress: bool | None = None,
-              offsets: list[float] | None = None) -> dict:
+              offsets: list[float] | None = None, api_key: str | None = None) -> dict:
+    """`api_key`: the proxy's API key, sent as `Authorization: Bearer` (never recorded)."""
     conversations = None
     if workload is None and settings.workload == "multiturn":
         conversations = multiturn(settings)
@@ -65,13 +67,14 @@ def run_bench(url: str, settings: BenchSettings, *, workload=None, progress: boo
     if warm:
         warm_settings = BenchSettings(**{**settings.__dict__, "max_concurrency": 1,
                                          "request_rate": float("inf")})
-        run_load(url, warm, warm_settings, progress=False)
+        run_load(url, warm, warm_settings, progress=False, api_key=api_key)
     started = time.time()
     if conversations is not None:
-        results, duration = run_conversations(url, conversations, settings, progress=progress)
+        results, duration = run_conversations(url, conversations, settings, progress=progress,
+                                              api_key=api_key)
     else:
         results, duration = run_load(url, workload, settings, progress=progress,
-                                     offsets=offsets)
+                                     offsets=offsets, api_key=api_key)
     return {
         "url": url,
         "started_at": started,

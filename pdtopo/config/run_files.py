@@ -13,6 +13,7 @@ CONFIG_FILE = "config.yaml"        # the composed, resolved config
 PLAN_FILE = "plan.json"            # the plan (every program of the deployment)
 CONF_FILE = "supervisord.conf"     # 0600: holds the token
 TOKEN_FILE = "token"               # 0600
+API_KEY_FILE = "api_key"           # 0600: the derived proxy API key (pdtopo.config.credentials)
 LOG_DIR = "logs"
 PROMETHEUS_FILE = "prometheus.yml"          # scrape config of the programs (this host's)
 DASHBOARD_FILE = "grafana-dashboard.json"   # a Grafana dashboard over those metrics

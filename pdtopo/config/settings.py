@@ -84,6 +84,7 @@ class BootstrapSettings:
 class ServerSettings:
     bind_host: str | None = MISSING
     keep_alive_s: float = MISSING
+    http_auth: Any = MISSING  # "auto" | true | false (pdtopo.config.credentials)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bootstrap.heartbeat_ttl_s": _POSITIVE,
     "bootstrap.register_timeout_s": _POSITIVE,
     "server.keep_alive_s": _POSITIVE,
+    "server.http_auth": ((lambda v: v == "auto" or isinstance(v, bool)), "auto, true or false"),
     "launcher.health_timeout_s": _POSITIVE,
     "launcher.drain_timeout_s": _POSITIVE,
     "launcher.prometheus_scrape_interval_s": _POSITIVE,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
@@ -38,10 +40,15 @@ def health_table(plan: Plan, rows: list[Row], title: str = "pdtopo launch") -> T
     return table
 
 
-def endpoints_text(plan: Plan) -> list[str]:
+def endpoints_text(plan: Plan, api_key_file: Path | None = None) -> list[str]:
+    """`api_key_file`: where the derived proxy API key is, when the plan uses one."""
     lines = []
     if plan.proxy_url:
         lines.append(f"proxy      {plan.proxy_url}   (send requests here)")
+    if api_key_file is not None:
+        lines.append(f"api key    {api_key_file}   (send 'Authorization: Bearer <key>' to the "
+                     "proxy; derived from the deployment token because P/D require a "
+                     "credential: server.http_auth)")
     if plan.bootstrap_url:
         lines.append(f"bootstrap  {plan.bootstrap_url}")
     for p in plan.processes:

@@ -33,16 +33,21 @@ def probe(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def router_workers_ready(base_url: str, expected: int, timeout: float = 2.0) -> bool:
+def router_workers_ready(base_url: str, expected: int, timeout: float = 2.0,
+                         api_key: str | None = None) -> bool:
     """True once sglang-router lists `expected` healthy workers. The Rust router answers
     /health before it has registered its workers (it adds them in the background, with
     back-off), so its /health alone does not mean requests can reach every P and D. A router
-    without a worker registry (MiniLB: no /workers) is ready when its /health is."""
+    without a worker registry (MiniLB: no /workers) is ready when its /health is. A router
+    with an API key lists its workers only to a caller that sends it (`api_key`); a 401 is
+    never taken for "no registry"."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(f"{base_url}/workers", timeout=timeout) as resp:
+        req = urllib.request.Request(f"{base_url}/workers", headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError:
-        return True  # no worker registry
+    except urllib.error.HTTPError as exc:
+        return exc.code not in (401, 403)  # else: no worker registry
     except (urllib.error.URLError, OSError, ValueError):
         return False
     workers = body.get("workers", []) if isinstance(body, dict) else []

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pdtopo.config.run_files import TOKEN_ENV
+from pdtopo.config.credentials import derived_api_key
+from pdtopo.config.run_files import API_KEY_FILE, TOKEN_ENV, TOKEN_FILE
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.plan import Plan
-from pdtopo.launcher.run_dir import monitoring_files, resolved_config
+from pdtopo.launcher.run_dir import monitoring_files, resolved_config, uses_derived_key
 
 HOSTS_DIR = "hosts"
 HOST_KEY = "host"  # `+host=NAME` on the command line
@@ -129,6 +130,10 @@ def write_global(run_dir: Path, cfg: DictConfig, plan: Plan, token: str) -> None
     (run / "plan.json").write_text(plan.to_json())
     for name, text in monitoring_files(cfg, plan).items():  # every host's programs
         (run / name).write_text(text)
-    fd = os.open(run / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token + "\n")
+    secrets = {TOKEN_FILE: token}
+    if uses_derived_key(plan):
+        secrets[API_KEY_FILE] = derived_api_key(token)
+    for name, value in secrets.items():
+        fd = os.open(run / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(value + "\n")

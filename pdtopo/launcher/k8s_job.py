@@ -13,12 +13,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from pdtopo.config.credentials import API_KEY_DERIVED_ENV, derived_api_key
 from pdtopo.config.run_files import TOKEN_FILE
 from pdtopo.config.schema import TopologyError, typed_proxy
 from pdtopo.launcher import display
 from pdtopo.launcher.k8s_plan import k8s_plan
 from pdtopo.launcher.launch import render_job
-from pdtopo.launcher.plan import expand_plan
+from pdtopo.launcher.plan import Plan, expand_plan
 from pdtopo.launcher.render_k8s import render_k8s, write_k8s_dir
 from pdtopo.launcher.run_dir import remove_if_empty, resolved_config
 
@@ -30,7 +31,16 @@ def k8s_objects(cfg: DictConfig, run_dir: Path, token: str) -> dict[str, dict]:
     plan = expand_plan(cfg, run_dir=str(run_dir), cpus=[0])
     kplan, groups, settings = k8s_plan(plan, cfg)
     return render_k8s(kplan, groups, settings, config_text=resolved_config(cfg), token=token,
-                      api_key=typed_proxy(cfg).api_key)
+                      api_key=typed_proxy(cfg).api_key or clients_key(kplan, token))
+
+
+def clients_key(plan: Plan, token: str) -> str | None:
+    """The derived proxy API key when the plan uses one (P/D beyond loopback, no key
+    configured): the Secret carries it for clients; the pods derive it from the token."""
+    proxy = plan.by_name().get("proxy")
+    if proxy is None or API_KEY_DERIVED_ENV not in proxy.env:
+        return None
+    return derived_api_key(token)
 
 
 def render_k8s_job(cfg: DictConfig, run_dir: Path) -> int:

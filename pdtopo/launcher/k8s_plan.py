@@ -29,8 +29,9 @@ from dataclasses import dataclass, field, replace
 
 from omegaconf import DictConfig, OmegaConf
 
+from pdtopo.config.credentials import API_KEY_DERIVED_ENV, API_KEY_ENV
 from pdtopo.config.schema import TopologyError, typed_proxy, typed_topology
-from pdtopo.launcher.plan import API_KEY_ENV, Plan, Process, process_name, router_command
+from pdtopo.launcher.plan import Plan, Process, process_name, router_command
 from pdtopo.launcher.tpu_env import Accelerator, accelerator_spec
 
 SERVER_ROLES = ("prefill", "decode")
@@ -127,6 +128,7 @@ class RoleGroup:
     worker_ports: dict[str, int]
     base_env: dict[str, str]        # the role's env without per-pod values
     settings: K8sSettings = field(repr=False)
+    api_key: bool = False           # the pods get the proxy API key from the Secret
 
     def address(self, group: int | str, worker: int | str) -> str:
         s = self.settings
@@ -186,7 +188,7 @@ def _role_group(plan: Plan, cfg: DictConfig, role: str, s: K8sSettings) -> RoleG
                      leader_ports=dict(first.ports),
                      worker_ports={k: v for k, v in first.ports.items()
                                    if k not in ("coordinator", "control")},
-                     base_env=base_env, settings=s)
+                     base_env=base_env, settings=s, api_key=API_KEY_ENV in first.secret_env)
 
 
 def _server(group: RoleGroup, template: Process, g: int, w: int) -> Process:
@@ -203,7 +205,11 @@ def _server(group: RoleGroup, template: Process, g: int, w: int) -> Process:
                    command=group.command(g, w),
                    health_url=f"http://{address}:{ports['http']}/health",
                    cpu_affinity=None, distributed=distributed, leader=w == 0,
-                   port_keys={}, secret_env={})
+                   port_keys={}, secret_env=_from_secret(template))
+
+
+def _from_secret(proc: Process) -> dict[str, str]:
+    return {API_KEY_ENV: "<from the Secret>"} if API_KEY_ENV in proc.secret_env else {}
 
 
 def k8s_plan(plan: Plan, cfg: DictConfig) -> tuple[Plan, list[RoleGroup], K8sSettings]:
@@ -235,10 +241,10 @@ def k8s_plan(plan: Plan, cfg: DictConfig) -> tuple[Plan, list[RoleGroup], K8sSet
     leaders = {r: [p for p in servers[r] if p.leader] for r in SERVER_ROLES}
     prox = replace(prox, host=s.name("proxy"), address=prox_addr,
                    command=router_command(s.python, proxy_cfg, LISTEN_ALL, prox.ports,
-                                          leaders["prefill"], leaders["decode"]),
+                                          leaders["prefill"], leaders["decode"],
+                                          derived_key=API_KEY_DERIVED_ENV in prox.env),
                    health_url=f"http://{prox_addr}:{prox.ports['http']}/health",
-                   cpu_affinity=None, port_keys={},
-                   secret_env={API_KEY_ENV: "<from the Secret>"} if proxy_cfg.api_key else {})
+                   cpu_affinity=None, port_keys={}, secret_env=_from_secret(prox))
     processes = [boot, *servers["prefill"], *servers["decode"], prox]
     out = Plan(topology=plan.topology, mode=plan.mode, platform=plan.platform,
                accelerator=plan.accelerator, bootstrap_url=boot.url, proxy_url=prox.url,

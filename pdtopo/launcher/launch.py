@@ -18,22 +18,24 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from rich.live import Live
 
 from pdtopo.bench.job import bench_job, record_job
-from pdtopo.config.run_files import holds_deployment
+from pdtopo.config.run_files import API_KEY_FILE, holds_deployment
 from pdtopo.config.schema import TopologyError, typed_proxy
 from pdtopo.config.settings import group_settings
 from pdtopo.launcher import display, hosts
-from pdtopo.launcher.health import wait_for_programs
+from pdtopo.launcher.health import router_workers_ready, wait_for_programs
 from pdtopo.launcher.plan import Plan, expand_plan
 from pdtopo.launcher.ports import wait_ports_free
 from pdtopo.launcher.preflight import check_model, check_platform
 from pdtopo.launcher.render_supervisord import ProgramSettings, render_supervisord
-from pdtopo.launcher.run_dir import new_token, remove_if_empty, write_run_dir
+from pdtopo.launcher.run_conf import proxy_api_key
+from pdtopo.launcher.run_dir import new_token, remove_if_empty, uses_derived_key, write_run_dir
 from pdtopo.launcher.supervisor_control import Supervisor, SupervisorError, teardown
 
 LOG_TAIL_LINES = 40
@@ -217,10 +219,12 @@ def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
                 record_job(run_dir, "failed", cfg=cfg, error=str(exc), exit_code=1)
             return 1
         timeout = group_settings(cfg, "launcher").health_timeout_s
+        api_key = proxy_api_key(run_dir, typed_proxy(cfg))
         with Live(display.health_table(plan, []), console=con, refresh_per_second=4) as live:
             result = wait_for_programs(
                 plan, sv.states, timeout,
-                on_update=lambda rows: live.update(display.health_table(plan, rows)))
+                on_update=lambda rows: live.update(display.health_table(plan, rows)),
+                workers_fn=partial(router_workers_ready, api_key=api_key))
         if not result.ok:
             con.print(f"[bold red]launch failed:[/] {result.reason}")
             con.rule(f"last lines of logs/{result.failed}.log")
@@ -234,11 +238,12 @@ def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
             return 1
         healthy_s = time.perf_counter() - started
         con.print(f"[bold green]all programs healthy[/] ({healthy_s:.1f} s after launch)")
-        for line in display.endpoints_text(plan):
+        key_file = run_dir / API_KEY_FILE if uses_derived_key(plan) else None
+        for line in display.endpoints_text(plan, key_file):
             con.print("  " + line, markup=False)
         if opts.multirun:  # a sweep job: benchmark, then tear down whatever happens
             try:
-                return bench_job(cfg, run_dir, plan, healthy_s, con)
+                return bench_job(cfg, run_dir, plan, healthy_s, con, api_key=api_key)
             finally:
                 teardown(run_dir)
                 con.print("multirun job: torn down")

@@ -17,6 +17,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pdtopo.config.credentials import (
+    API_KEY_DERIVED_ENV,
+    API_KEY_ENV,
+    API_KEY_FILE_ENV,
+    http_auth_on,
+)
 from pdtopo.config.local_slices import local_layout
 from pdtopo.config.schema import (
     PORT_KINDS,
@@ -26,7 +32,12 @@ from pdtopo.config.schema import (
     typed_proxy,
     typed_topology,
 )
-from pdtopo.config.settings import LauncherSettings, group_settings, runtime_settings
+from pdtopo.config.settings import (
+    LauncherSettings,
+    ServerSettings,
+    group_settings,
+    runtime_settings,
+)
 from pdtopo.launcher import validate
 from pdtopo.launcher.tpu_env import (
     Accelerator,
@@ -44,8 +55,6 @@ ROUTER_MODULE = "sglang_router.launch_router"
 GATEWAY_MODULE = "smg.launch_router"
 # runs the same router with the API key from the environment or a file, never from argv
 ROUTER_KEY_MODULE = "pdtopo.launcher.router_entry"
-API_KEY_ENV = "PDTOPO_PROXY_API_KEY"
-API_KEY_FILE_ENV = "PDTOPO_PROXY_API_KEY_FILE"
 
 
 def default_rank(tp_size: int = 1) -> dict[str, int]:
@@ -359,9 +368,11 @@ def _bootstrap_process(topo: TopologySchema, run_dir: str, python: str,
 
 
 def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[str, int],
-                   prefills: list[Process], decodes: list[Process]) -> list[str]:
+                   prefills: list[Process], decodes: list[Process], *,
+                   derived_key: bool = False) -> list[str]:
+    """`derived_key`: the router's key is the one derived from the deployment token."""
     router = GATEWAY_MODULE if proxy.kind == "gateway" else ROUTER_MODULE
-    if proxy.api_key or proxy.api_key_file:
+    if proxy.api_key or proxy.api_key_file or derived_key:
         cmd = [python, "-m", ROUTER_KEY_MODULE]
         if router != ROUTER_MODULE:
             cmd += ["--router-module", router]
@@ -395,7 +406,7 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
 
 
 def _proxy_process(topo: TopologySchema, proxy: ProxySchema, servers: list[Process],
-                   python: str, launcher: LauncherSettings) -> Process:
+                   python: str, launcher: LauncherSettings, derived_key: bool) -> Process:
     host, address = validate.host_address(topo, "topology.proxy.host", topo.proxy.host)
     ports = {"http": topo.proxy.port}
     keys = {"http": "topology.proxy.port"}
@@ -408,16 +419,43 @@ def _proxy_process(topo: TopologySchema, proxy: ProxySchema, servers: list[Proce
     prefills = [p for p in servers if p.role == "prefill" and p.leader]
     decodes = [p for p in servers if p.role == "decode" and p.leader]
     env = _common_env(launcher)
-    if proxy.api_key_file:
-        env[API_KEY_FILE_ENV] = str(proxy.api_key_file)  # a path, not the key
+    env.update(_key_env(proxy))
+    if derived_key:
+        env[API_KEY_DERIVED_ENV] = "1"
     return Process(
         name="proxy", role="proxy", host=host, address=address, instance_id="proxy",
         rank=default_rank(), chips=[], mesh={}, ports=ports, env=env,
-        command=router_command(python, proxy, address, ports, prefills, decodes),
+        command=router_command(python, proxy, address, ports, prefills, decodes,
+                               derived_key=derived_key),
         health_url=f"http://{address}:{ports['http']}/health", priority=PRIORITY["proxy"],
         port_keys=keys,
-        secret_env={API_KEY_ENV: str(proxy.api_key)} if proxy.api_key else {},
+        secret_env=_key_secret_env(proxy),
     )
+
+
+def _key_env(proxy: ProxySchema) -> dict[str, str]:
+    return {API_KEY_FILE_ENV: str(proxy.api_key_file)} if proxy.api_key_file else {}  # a path
+
+
+def _key_secret_env(proxy: ProxySchema) -> dict[str, str]:
+    return {API_KEY_ENV: str(proxy.api_key)} if proxy.api_key else {}
+
+
+def _guard_servers(servers: list[Process], proxy: ProxySchema, server: ServerSettings,
+                   mode: str) -> tuple[list[Process], bool]:
+    """The servers with the proxy key in their environment where `server.http_auth` makes
+    them require a credential, and whether the key is the derived one (a PD deployment that
+    needs a key and configures none)."""
+    guarded = {p.name for p in servers
+               if http_auth_on(server.http_auth, p.role, server.bind_host or p.address)}
+    if not guarded:
+        return servers, False
+    validate.check_credential_proxy(proxy, mode, sorted(guarded), server)
+    derived = mode == "pd" and not (proxy.api_key or proxy.api_key_file)
+    env = {**_key_env(proxy), **({API_KEY_DERIVED_ENV: "1"} if derived else {})}
+    return [replace(p, env={**p.env, **env}, secret_env={**p.secret_env,
+                                                         **_key_secret_env(proxy)})
+            if p.name in guarded else p for p in servers], derived
 
 
 def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "python",
@@ -437,11 +475,12 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
             allow_incompatible=settings.launcher.allow_incompatible_roles)
     servers = _server_processes(cfg, topo, acc, _assign_chips(topo, acc), str(run_dir),
                                 python, cpus, settings.launcher)
+    servers, derived_key = _guard_servers(servers, proxy, settings.server, topo.mode)
     processes: list[Process] = []
     bootstrap_url = proxy_url = None
     if topo.mode == "pd":
         boot = _bootstrap_process(topo, str(run_dir), python, settings.launcher)
-        prox = _proxy_process(topo, proxy, servers, python, settings.launcher)
+        prox = _proxy_process(topo, proxy, servers, python, settings.launcher, derived_key)
         processes = [boot, *servers, prox]
         bootstrap_url, proxy_url = boot.url, prox.url
     else:

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from pdtopo.config.credentials import API_KEY_ENV
 from pdtopo.config.run_files import CONFIG_FILE, PLAN_FILE, TOKEN_ENV
 from pdtopo.launcher.k8s_plan import (
     GROUP_REF,
@@ -39,7 +40,7 @@ from pdtopo.launcher.k8s_plan import (
     K8sSettings,
     RoleGroup,
 )
-from pdtopo.launcher.plan import API_KEY_ENV, Plan, Process
+from pdtopo.launcher.plan import Plan, Process
 from pdtopo.launcher.tpu_env import accelerator_spec
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
@@ -135,7 +136,8 @@ def _server_template(group: RoleGroup, leader: bool, config_hash: str,
     s = group.settings
     worker: int | str = 0 if leader or group.size == 1 else WORKER_REF
     container = _container(s, group.role, group.command(GROUP_REF, worker),
-                           _env(s, group.env(GROUP_REF, worker), indices=True),
+                           _env(s, group.env(GROUP_REF, worker), indices=True,
+                                api_key=group.api_key),
                            group.ports(worker))
     serves = leader or group.size == 1  # followers serve no /metrics
     return _pod_template(s, group.role, container, config_hash,
@@ -243,7 +245,7 @@ def render_k8s(plan: Plan, groups: list[RoleGroup], s: K8sSettings, *, config_te
     for role in ("bootstrap", "proxy"):
         proc = procs[role]
         add(10, _service(s, proc.host, role, proc.ports, _selector(s, role)))
-        add(20, _deployment(s, proc, digest, api_key=bool(api_key) and role == "proxy"))
+        add(20, _deployment(s, proc, digest, api_key=API_KEY_ENV in proc.secret_env))
     for group in groups:
         kv = {k: v for k, v in group.leader_ports.items() if k in ("transfer", "zmq")}
         add(10, _service(s, f"{group.lws}-kv", group.role, kv, {LWS_NAME_LABEL: group.lws},

@@ -134,7 +134,8 @@ class Operator:
 
     def _serving(self, proc: Process) -> bool:
         try:
-            state = admin_request(f"{proc.url}/pdtopo/state", timeout=2.0)
+            state = admin_request(f"{proc.url}/pdtopo/state", token=self.dep.token,
+                                  timeout=2.0)
         except OperationError:
             return False
         return probe(proc.health_url, timeout=2.0) and not state.get("draining", False)
@@ -159,7 +160,8 @@ class Operator:
 
         def idle() -> bool:
             try:
-                last["in_flight"] = admin_request(f"{url}/pdtopo/state", timeout=2.0)["in_flight"]
+                last["in_flight"] = admin_request(f"{url}/pdtopo/state", token=self.dep.token,
+                                                  timeout=2.0)["in_flight"]
             except (OperationError, KeyError):
                 return False
             return last["in_flight"] == 0

@@ -7,7 +7,9 @@ the owner).
 
 The key comes from `PDTOPO_PROXY_API_KEY` (put into the program's environment by the
 launcher from `proxy.api_key`, in supervisord.conf with mode 0600) or from the first line of the
-file named by `PDTOPO_PROXY_API_KEY_FILE` (`proxy.api_key_file`). The arguments are parsed by
+file named by `PDTOPO_PROXY_API_KEY_FILE` (`proxy.api_key_file`), or, with
+`PDTOPO_PROXY_API_KEY_DERIVED=1` (P/D beyond loopback and no key configured), from the
+deployment token (pdtopo.config.credentials). The arguments are parsed by
 the router's own parser (both packages offer `parse_router_args` and `launch_router`), the key
 is set on the parsed `RouterArgs`, and the router is started in this process, unmodified.
 """
@@ -17,31 +19,26 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from pathlib import Path
+from collections.abc import Mapping
 
-API_KEY_ENV = "PDTOPO_PROXY_API_KEY"
-API_KEY_FILE_ENV = "PDTOPO_PROXY_API_KEY_FILE"
+from pdtopo.config import credentials
+from pdtopo.config.credentials import API_KEY_ENV, API_KEY_FILE_ENV
+from pdtopo.config.run_files import TOKEN_ENV
+
 DEFAULT_ROUTER_MODULE = "sglang_router.launch_router"
 ROUTER_MODULES = (DEFAULT_ROUTER_MODULE, "smg.launch_router")
 
 
-def read_api_key(environ: dict[str, str] | os._Environ = os.environ) -> str:
-    """The key from the environment or the key file; SystemExit naming what is wrong."""
-    key = environ.get(API_KEY_ENV)
-    path = environ.get(API_KEY_FILE_ENV)
-    if key:
-        return key
-    if not path:
+def read_api_key(environ: Mapping[str, str] = os.environ) -> str:
+    """The key from the environment, the key file or the deployment token; SystemExit naming
+    what is wrong."""
+    try:
+        key = credentials.read_api_key(environ, environ.get(TOKEN_ENV))
+    except ValueError as exc:
+        raise SystemExit(f"router_entry: {exc}") from None
+    if not key:
         raise SystemExit(f"router_entry: set {API_KEY_ENV} or {API_KEY_FILE_ENV} "
                          "(proxy.api_key / proxy.api_key_file)")
-    try:
-        lines = Path(path).expanduser().read_text().splitlines()
-    except OSError as exc:
-        raise SystemExit(f"router_entry: proxy.api_key_file={path!r}: cannot read it "
-                         f"({exc.strerror or exc})") from None
-    key = lines[0].strip() if lines else ""
-    if not key:
-        raise SystemExit(f"router_entry: proxy.api_key_file={path!r} is empty")
     return key
 
 

@@ -1,5 +1,6 @@
 """What a run dir's supervisord.conf holds that plan.json does not: the programs' working
-directory and the proxy's secret environment (its API key lives only there, mode 0600).
+directory and the proxy's secret environment (its API key lives only there, mode 0600), and
+the key clients send the proxy, wherever it comes from.
 
 Read with configparser and supervisor's own `environment=` parser, so what comes back is what
 supervisord gives the programs.
@@ -12,9 +13,9 @@ from pathlib import Path
 
 from supervisor.datatypes import dict_of_key_value_pairs
 
-from pdtopo.config.run_files import CONF_FILE
+from pdtopo.config.credentials import API_KEY_ENV
+from pdtopo.config.run_files import API_KEY_FILE, CONF_FILE
 from pdtopo.config.schema import ProxySchema
-from pdtopo.launcher.plan import API_KEY_ENV
 
 
 def _conf(run_dir: Path) -> configparser.RawConfigParser:
@@ -40,7 +41,12 @@ def workdir(run_dir: Path) -> Path | None:
 
 
 def proxy_api_key(run_dir: Path, proxy: ProxySchema) -> str | None:
-    """The key clients (and admin calls) must send to the proxy, or None when it has none."""
+    """The key clients (and admin calls) must send to the proxy, or None when it has none
+    (the derived key: RUN/api_key, or the multi-host run's RUN/hosts/*/api_key)."""
+    derived = [run_dir / API_KEY_FILE, *sorted(run_dir.glob(f"hosts/*/{API_KEY_FILE}"))]
+    for path in derived:
+        if path.is_file():
+            return path.read_text().strip() or None
     if proxy.api_key_file:
         try:
             lines = Path(str(proxy.api_key_file)).expanduser().read_text().splitlines()

@@ -1,7 +1,8 @@
 """The run directory of a deployment: writing it, and finding it again.
 
 `write_run_dir` lays out RUN/config.yaml (composed, resolved, no hydra node, proxy.api_key
-redacted), plan.json, supervisord.conf (0600: it holds the token), token (0600), logs/, and
+redacted), plan.json, supervisord.conf (0600: it holds the token), token (0600), api_key (0600,
+only when the proxy key is derived from the token: what clients send), logs/, and
 prometheus.yml + grafana-dashboard.json for the programs this supervisord runs
 (`pdtopo.launcher.monitoring`; names in `pdtopo.config.run_files`, which also finds a run dir
 again).
@@ -16,7 +17,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from pdtopo.config.credentials import API_KEY_DERIVED_ENV, derived_api_key
 from pdtopo.config.run_files import (
+    API_KEY_FILE,
     CONF_FILE,
     CONFIG_FILE,
     DASHBOARD_FILE,
@@ -69,9 +72,16 @@ def write_run_dir(run_dir: Path, cfg: DictConfig, plan: Plan, conf_text: str, to
     (run_dir / CONFIG_FILE).write_text(resolved_config(cfg))
     (run_dir / PLAN_FILE).write_text(plan.to_json())
     _write_private(run_dir / TOKEN_FILE, token + "\n")
+    if uses_derived_key(plan):
+        _write_private(run_dir / API_KEY_FILE, derived_api_key(token) + "\n")
     _write_private(run_dir / CONF_FILE, conf_text)
     for name, text in monitoring_files(cfg, monitored or plan).items():
         (run_dir / name).write_text(text)
+
+
+def uses_derived_key(plan: Plan) -> bool:
+    """The proxy's API key is derived from the token (P/D beyond loopback, none configured)."""
+    return any(API_KEY_DERIVED_ENV in p.env for p in plan.processes if p.role == "proxy")
 
 
 def remove_if_empty(run_dir: Path) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from rich.live import Live
 
+from pdtopo.config.credentials import API_KEY_ENV
 from pdtopo.config.run_files import (
     CONF_FILE,
     CONFIG_FILE,
@@ -43,7 +44,7 @@ from pdtopo.launcher import display, run_conf
 from pdtopo.launcher.admin_http import OperationError, wait_until
 from pdtopo.launcher.health import wait_for_programs
 from pdtopo.launcher.launch import host_cpus, log_tail, program_settings
-from pdtopo.launcher.plan import API_KEY_ENV, Plan, Process
+from pdtopo.launcher.plan import Plan, Process
 from pdtopo.launcher.ports import port_in_use
 from pdtopo.launcher.render_supervisord import render_supervisord
 from pdtopo.launcher.rolling import Deployment, Operator

@@ -25,7 +25,7 @@ from pdtopo.config.schema import (
     TopologyError,
     TopologySchema,
 )
-from pdtopo.config.settings import EngineSettings
+from pdtopo.config.settings import EngineSettings, ServerSettings
 from pdtopo.launcher.tpu_env import Accelerator, process_grid, split_error
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -141,6 +141,18 @@ def check_bind_host(topo: TopologySchema, bind_host: str | None) -> None:
                             f"programs would listen on loopback only, but hosts {remote} are "
                             "reached over the network; set server.bind_host=null (each program "
                             "listens on its plan address)")
+
+
+def check_credential_proxy(proxy: ProxySchema, mode: str, guarded: list[str],
+                           server: ServerSettings) -> None:
+    """Servers that require a credential (`server.http_auth`) need a proxy that sends one."""
+    if mode == "pd" and proxy.kind == "mini_lb":
+        raise TopologyError("proxy.kind", proxy.kind,
+                            f"{', '.join(guarded)} listen beyond loopback (server.bind_host="
+                            f"{server.bind_host}), so their HTTP APIs require a credential "
+                            f"(server.http_auth={server.http_auth}), and mini_lb sends none; "
+                            "use proxy=rust or proxy=gateway, or server.http_auth=false to "
+                            "leave them open")
 
 
 def _loopback(address: str) -> bool:

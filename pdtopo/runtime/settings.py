@@ -4,7 +4,8 @@ A launched program is started as `python -m pdtopo.runtime.<entry> --run-dir RUN
 `load_process_context` reads RUN/config.yaml (the composed config) and RUN/plan.json (the plan),
 picks the process entry named NAME and returns a `ProcessContext`. The per-run deployment token
 arrives through the environment (the launcher puts it into supervisord's program environment)
-and is read here, nowhere else. A colocated server started directly gets a context built from a
+and is read here, nowhere else; so is the proxy's API key of a server that checks credentials
+(`pdtopo.config.credentials`). A colocated server started directly gets a context built from a
 composed config and a port via `direct_process_context`.
 
 Per-role engine overrides: a topology may give `topology.<role>.engine.<key>` (e.g. a decode
@@ -25,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pdtopo.config.credentials import read_api_key
 from pdtopo.config.run_files import CONFIG_FILE, PLAN_FILE, TOKEN_ENV
 from pdtopo.config.settings import RuntimeSettings, role_engine_overrides, runtime_settings
 
@@ -38,6 +40,7 @@ class ProcessContext:
     plan: dict[str, Any] = field(default_factory=dict)
     run_dir: Path | None = None
     token: str | None = None
+    api_key: str | None = None  # the proxy's API key, where the plan gives it (credentials.py)
 
     @property
     def name(self) -> str:
@@ -104,6 +107,7 @@ def load_process_context(run_dir: str | Path, process_name: str) -> ProcessConte
         plan=plan,
         run_dir=run,
         token=os.environ.get(TOKEN_ENV),
+        api_key=read_api_key(os.environ, os.environ.get(TOKEN_ENV)),
     )
 
 

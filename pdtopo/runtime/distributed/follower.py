@@ -42,6 +42,7 @@ from pdtopo.runtime.distributed.control import ControlClient
 from pdtopo.runtime.distributed.health import HealthServer
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk, warmup_kinds
+from pdtopo.runtime.http_auth import HttpGuard
 
 log = logging.getLogger("pdtopo.distributed.follower")
 
@@ -211,7 +212,8 @@ def run_follower(ctx: Any, spec: ClusterSpec) -> int:
     health = None
     if ctx.ports.get("http"):
         health = HealthServer(ctx.bind_host, int(ctx.ports["http"]),
-                              lambda: holder["f"].state() if "f" in holder else {})
+                              lambda: holder["f"].state() if "f" in holder else {},
+                              guard=HttpGuard.from_context(ctx))
     stop = threading.Event()
 
     def on_signal(sig: int, _frame: Any) -> None:

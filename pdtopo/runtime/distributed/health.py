@@ -3,7 +3,8 @@
 Followers serve no API (the leader does); the launcher still waits on every process's
 `health_url`. `/health` answers 503 {"status": "loading"} until the follower is in its lockstep
 loop, then 200; after a failure it answers 503 with the error. `state_fn()` supplies
-`/pdtopo/state`.
+`/pdtopo/state` (behind the same credential as the leader's API where the server requires
+one).
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from pdtopo.runtime.http_auth import HttpGuard, unauthorized_body
+
 
 class HealthServer:
-    def __init__(self, host: str, port: int, state_fn: Callable[[], dict[str, Any]]):
+    def __init__(self, host: str, port: int, state_fn: Callable[[], dict[str, Any]],
+                 guard: HttpGuard | None = None):
+        """`guard`: the credential `/pdtopo/state` asks for (pdtopo.runtime.http_auth)."""
         self.status = "loading"
         self.error: str | None = None
         owner = self
@@ -29,7 +34,11 @@ class HealthServer:
                                                        else {})}
                     self._reply(200 if ok else 503, body)
                 elif self.path.split("?")[0] == "/pdtopo/state":
-                    self._reply(200, {"status": owner.status, **state_fn()})
+                    problem = guard.problem(self.headers.get("Authorization")) if guard else None
+                    if problem is not None:
+                        self._reply(401, json.loads(unauthorized_body(problem)))
+                    else:
+                        self._reply(200, {"status": owner.status, **state_fn()})
                 else:
                     self._reply(404, {"detail": f"{self.path} not found: a follower process "
                                       "serves /health and /pdtopo/state only (the instance's "
