@@ -103,7 +103,9 @@ class DisaggregationMixinBase:
     def pd_state(self) -> dict[str, Any]:
         channel = self.kv_manager.channel
         stats = channel.stats()
-        return {"pd_side_channel_dropped": stats.get("dropped", 0),
+        return {"pd_side_channel_received": sum(v for k, v in stats.items()
+                                                 if k.startswith("recv_")),
+                "pd_side_channel_dropped": stats.get("dropped", 0),
                 "pd_side_channel_curve": channel.curve is not None,
                 "pd_side_channel_curve_denied": stats.get("curve_denied", 0)}
 
