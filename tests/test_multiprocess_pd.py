@@ -52,7 +52,9 @@ def deployment(tmp_path_factory):
     base = port_block(60)
     overrides = ["topology=1p1d_cpu_mp", *OVERRIDES, *deployment_overrides(base),
                  f"topology.ports.coordinator_base={base + 40}",
-                 f"topology.ports.control_base={base + 50}"]
+                 f"topology.ports.control_base={base + 50}",
+                 # CURVE on loopback: the side channel and the lockstep control channel both
+                 "disaggregation.side_channel_curve=true"]
     dep = Deployment(run, overrides)
     try:
         dep.launch()
@@ -118,6 +120,9 @@ def test_followers_ran_in_lockstep_and_released(deployment, reference):
     assert p_fol["num_forward"] >= p_lead["num_forward"] > 0
     assert d_fol["num_forward"] >= d_lead["num_forward"] > 0
     assert not baseline_problems(p_lead), baseline_problems(p_lead)
+    # the followers joined their leaders over CURVE (disaggregation.side_channel_curve=true)
+    assert p_fol["control_curve"] is True and d_fol["control_curve"] is True
+    assert p_lead["pd_side_channel_curve"] is True and p_lead["pd_side_channel_received"] > 0
 
 
 def test_asymmetric_pairing_is_refused(deployment, reference, tmp_path):

@@ -8,11 +8,13 @@ import concurrent.futures as cf
 import time
 
 import pytest
+import zmq
 
 from pdtopo.runtime.disagg.base import KVTransferError
+from pdtopo.runtime.disagg.curve import deployment_keys
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 from pdtopo.runtime.distributed.cluster import ClusterConfigError, ClusterSpec
-from pdtopo.runtime.distributed.control import ControlClient, ControlServer
+from pdtopo.runtime.distributed.control import ControlClient, ControlServer, lockstep_curve
 from pdtopo.runtime.distributed.leader import LeaderMirror, LeaderRunner, _PullGroup
 from tests.conftest import free_port
 from tests.test_transfer_engine import done, drive, make_mgr, pool
@@ -97,6 +99,55 @@ def test_control_channel_order_acks_and_stop():
     finally:
         for c in clients:
             c.close()
+        server.close()
+
+
+def test_control_channel_beyond_loopback_admits_only_the_deployment_key():
+    """With CURVE (lockstep_curve) a follower holding the token joins and is served; a plain
+    peer, another deployment's key pair and a forged one never join or reach on_message."""
+    assert lockstep_curve("auto", "127.0.0.1", None) is None  # loopback: plain
+    assert lockstep_curve(False, "10.0.0.1", "tok") is None
+    with pytest.raises(RuntimeError, match="side_channel_curve='auto'.*10.0.0.1"):
+        lockstep_curve("auto", "10.0.0.1", None)
+    keys = lockstep_curve("auto", "10.0.0.1", "the-token")
+    assert keys == deployment_keys("the-token")
+    addr = f"127.0.0.1:{free_port()}"
+    got = []
+    server = ControlServer(addr, 1, lambda pid, msg: got.append((pid, msg["op"])), curve=keys)
+    strangers = [ControlClient(addr, 7), ControlClient(addr, 8,
+                                                       curve=deployment_keys("other-token"))]
+    forger = zmq.Context.instance().socket(zmq.DEALER)
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.curve_serverkey = keys.public
+    forger.curve_publickey, forger.curve_secretkey = zmq.curve_keypair()
+    forger.connect(f"tcp://{addr}")
+    try:
+        for s in strangers:
+            s.send({"op": "pulled", "n": 0})
+        forger.send(b'{"op": "hello", "process_id": 9}')
+        assert not server.wait_followers(1.5)  # nobody without the key joined
+        deadline = time.monotonic() + 5
+        while server.curve_denied < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # the forger reached the authenticator and was refused; the others, holding the wrong
+        # server key or none, fail the handshake before it (not counted, like the side channel)
+        assert server.curve_denied >= 1 and got == []
+        member = ControlClient(addr, 1, curve=keys)
+        try:
+            assert server.wait_followers(10)
+            server.broadcast({"op": "forward", "n": 1})
+            assert member.recv(5) == {"op": "forward", "n": 1}
+            member.send({"op": "pulled"})
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert got == [(1, "pulled")]
+        finally:
+            member.close()
+    finally:
+        forger.close()
+        for s in strangers:
+            s.close()
         server.close()
 
 

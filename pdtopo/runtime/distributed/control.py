@@ -14,6 +14,11 @@ leader as gone (`ControlClient.leader_alive()`). The leader's socket monitor rep
 follower whose connection closed (matched to its `hello` by the connection's descriptor):
 `on_follower_lost(process_id)` runs on the leader's I/O thread.
 
+Beyond loopback the channel speaks ZMQ CURVE with the deployment's key pair (`lockstep_curve`:
+the side channel's rule, `disaggregation.side_channel_curve`, judged by where the leader
+listens): the leader's ROUTER admits only that key, so a peer without the deployment token can
+neither join as a follower nor send acks (refused handshakes: `ControlServer.curve_denied`).
+
 Each endpoint has one I/O thread that owns its ZMQ sockets; other threads hand it outgoing
 messages through an inproc PUSH socket (guarded by a lock), so no socket is shared.
 """
@@ -32,11 +37,34 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from pdtopo.runtime.disagg.curve import (
+    CurveKeys,
+    admit_only,
+    deployment_keys,
+    release,
+    secure_dealer,
+    secure_router,
+    side_channel_curve,
+)
 from pdtopo.runtime.zmq_source import source_fd
 
 log = logging.getLogger("pdtopo.distributed.control")
 
 _ids = itertools.count()
+
+
+def lockstep_curve(setting: str | bool, leader_bind_host: str | None,
+                   token: str | None) -> CurveKeys | None:
+    """The key pair the control channel uses, or None where it stays plain (the side
+    channel's rule; leader and followers judge the same leader address). RuntimeError naming
+    the setting when CURVE is due and this process has no deployment token."""
+    if not side_channel_curve(setting, [leader_bind_host]):
+        return None
+    try:
+        return deployment_keys(token or "")
+    except ValueError as exc:
+        raise RuntimeError(f"disaggregation.side_channel_curve={setting!r} (the lockstep "
+                           f"control channel listens on {leader_bind_host}): {exc}") from None
 
 
 def _encode(msg: dict[str, Any]) -> bytes:
@@ -48,6 +76,7 @@ class _Endpoint:
 
     def __init__(self, sock_type: int, name: str) -> None:
         self._ctx = zmq.Context()
+        self._curve = False  # this endpoint holds a share of the context's ZAP authenticator
         self.sock = self._ctx.socket(sock_type)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
@@ -136,7 +165,13 @@ class _Endpoint:
         self._thread.join(timeout=5)
         with self._pipe_lock:
             self._pipe_out.close(0)
+        self._release_curve()
         self._ctx.term()
+
+    def _release_curve(self) -> None:
+        if self._curve:
+            self._curve = False
+            release(self._ctx)
 
 
 class ControlServer(_Endpoint):
@@ -146,13 +181,18 @@ class ControlServer(_Endpoint):
                  on_message: Callable[[int, dict[str, Any]], None] | None = None, *,
                  on_tick: Callable[[], None] | None = None,
                  on_follower_lost: Callable[[int], None] | None = None,
-                 ping_interval_s: float = 1.0) -> None:
+                 ping_interval_s: float = 1.0, curve: CurveKeys | None = None) -> None:
         super().__init__(zmq.ROUTER, "lockstep-control")
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.curve_denied = 0  # CURVE handshakes refused (another key, no token)
         host, _, port = bind_addr.rpartition(":")
         try:
+            if curve is not None:
+                self._curve = True
+                secure_router(self.sock, curve, admit_only(self._ctx, curve, self._denied))
             self.sock.bind(f"tcp://{host}:{int(port)}")
         except zmq.ZMQError as exc:
+            self._release_curve()
             self._ctx.destroy(0)
             raise OSError(f"lockstep control port {bind_addr} (ports.control): {exc}") from exc
         self.num_followers = int(num_followers)
@@ -167,6 +207,11 @@ class ControlServer(_Endpoint):
             self._all_joined.set()
         self._next_ping = 0.0
         self._thread.start()
+
+    def _denied(self) -> None:  # the authenticator's thread
+        self.curve_denied += 1
+        log.warning("lockstep: refused a CURVE handshake on the control channel (a peer "
+                    "without this deployment's key)")
 
     def wait_followers(self, timeout_s: float) -> bool:
         """Block until every follower said hello."""
@@ -224,10 +269,13 @@ class ControlClient(_Endpoint):
     """Follower side (see the module docstring)."""
 
     def __init__(self, connect_addr: str, process_id: int, *,
-                 leader_timeout_s: float = 30.0) -> None:
+                 leader_timeout_s: float = 30.0, curve: CurveKeys | None = None) -> None:
         super().__init__(zmq.DEALER, "lockstep-control")
         self.process_id = int(process_id)
         self.sock.setsockopt(zmq.IDENTITY, f"p{self.process_id}".encode())
+        self.curve = curve is not None
+        if curve is not None:
+            secure_dealer(self.sock, curve)
         host, _, port = connect_addr.rpartition(":")
         self.sock.connect(f"tcp://{host}:{int(port)}")
         self.leader_timeout_s = leader_timeout_s

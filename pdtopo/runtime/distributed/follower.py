@@ -38,7 +38,7 @@ from pdtopo.runtime.disagg.base import PoolTransferSpec
 from pdtopo.runtime.disagg.mixin_base import model_identity
 from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
 from pdtopo.runtime.distributed.cluster import ClusterSpec
-from pdtopo.runtime.distributed.control import ControlClient
+from pdtopo.runtime.distributed.control import ControlClient, lockstep_curve
 from pdtopo.runtime.distributed.health import HealthServer
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk, warmup_kinds
@@ -181,6 +181,7 @@ class Follower:
 
     def state(self) -> dict[str, Any]:
         return {"num_commands": self.num_commands, "num_forward": self.num_forward,
+                "control_curve": self.control.curve,
                 "pd_pulls": len(self.pulls),
                 "pd_registered_kv": self.engine.num_registered() if self.engine else 0}
 
@@ -246,7 +247,9 @@ def run_follower(ctx: Any, spec: ClusterSpec) -> int:
                 if not keeper.wait_registered(timeout):
                     raise RuntimeError(f"could not register with the bootstrap server "
                                        f"{bootstrap.url} within {timeout:g}s")
-        control = ControlClient(spec.control_addr, spec.process_id)
+        leader_host = ctx.settings.server.bind_host or spec.leader_entry.get("address")
+        control = ControlClient(spec.control_addr, spec.process_id, curve=lockstep_curve(
+            settings.disaggregation.side_channel_curve, leader_host, ctx.token))
         peers = PeerRanks(bootstrap, ctx.rank) if ctx.role == "decode" else None
         follower = Follower(ctx, runner, engine, control, peers,
                             kernels_impl=settings.kernels.impl)

@@ -40,7 +40,7 @@ from typing import Any
 
 from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.distributed.cluster import ClusterSpec
-from pdtopo.runtime.distributed.control import ControlServer
+from pdtopo.runtime.distributed.control import ControlServer, lockstep_curve
 from pdtopo.runtime.engine.request import FinishReason, ReqOutput
 
 log = logging.getLogger("pdtopo.distributed.leader")
@@ -279,10 +279,14 @@ def attach_leader(ctx: Any, runner: Any) -> Any:
     mirror = LeaderMirror(None, set(range(1, spec.num_processes)))
     port = spec.control_addr.rpartition(":")[2]
     bind = f"{ctx.bind_host}:{port}"
+    curve = lockstep_curve(ctx.settings.disaggregation.side_channel_curve, ctx.bind_host,
+                           ctx.token)
     server = ControlServer(bind, spec.num_processes - 1, mirror.on_message,
-                           on_tick=mirror.on_tick, on_follower_lost=mirror.follower_lost)
+                           on_tick=mirror.on_tick, on_follower_lost=mirror.follower_lost,
+                           curve=curve)
     mirror.attach(server)
-    log.info("lockstep: waiting for %d follower(s) on %s", spec.num_processes - 1, bind)
+    log.info("lockstep: waiting for %d follower(s) on %s%s", spec.num_processes - 1, bind,
+             " (CURVE)" if curve is not None else "")
     if not server.wait_followers(JOIN_TIMEOUT_S):
         server.close()
         raise RuntimeError(
