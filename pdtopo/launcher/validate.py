@@ -73,6 +73,14 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
             raise TopologyError(f"proxy.{key_field}", value,
                                 f"not a policy of the {proxy.kind} proxy (it offers: "
                                 f"{', '.join(offered)}){hint}")
+    for key_field, role in (("policy", topo.prefill), ("decode_policy", topo.decode)):
+        if topo.mode == "pd" and getattr(proxy, key_field) == "power_of_two" \
+                and role.instances < 2:
+            which = "prefill" if key_field == "policy" else "decode"
+            raise TopologyError(f"proxy.{key_field}", "power_of_two",
+                                f"the router refuses power_of_two with fewer than 2 {which} "
+                                f"instances (topology.{which}.instances={role.instances}); use "
+                                "round_robin or random")
     for key_field in ("api_key", "api_key_file"):
         if proxy.kind == "mini_lb" and getattr(proxy, key_field):
             raise TopologyError(f"proxy.{key_field}", "***" if key_field == "api_key"
