@@ -14,6 +14,8 @@
   pdtopo diff [--format rich|markdown] <overrides A> -- <overrides B>
   pdtopo diff --rev GITREV [--format ...] <overrides>
   pdtopo bench [URL] [--output FILE] [bench.KEY=VALUE ...]  benchmark a proxy/server (latest run)
+  pdtopo tune topology=NAME [tune.KEY=VALUE ...] [bench.KEY=VALUE ...]   search the topologies
+                                                    of a chip budget for goodput (pdtopo/tune/)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pdtopo.launcher.hosts import resolve_host_run
 from pdtopo.launcher.hydra_app import run_app
 from pdtopo.launcher.k8s_job import FORMATS, render_k8s_job
 from pdtopo.launcher.launch import LaunchOptions, host_cpus, launch_job, render_job
+from pdtopo.tune.cli import main as tune_main
 
 USAGE = __doc__.split("\n\n", 1)[1]
 EXIT_USAGE = 2
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return _diff(rest)
     if verb == "bench":
         return bench_main(rest)
+    if verb == "tune":
+        return tune_main(rest)
     print(f"pdtopo: unknown command {verb!r}\nusage:\n{USAGE}", file=sys.stderr)
     return EXIT_USAGE
 

@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-MODES = ("pd", "colocated", "local")
+MODES = ("pd", "colocated", "local", "dp")  # dp: colocated instances behind the router
 PLATFORMS = ("tpu", "cpu")
 PROXY_KINDS = ("rust", "gateway", "mini_lb")
 # The routing policies each proxy offers (sglang-router 0.3 and smg 1.13: `launch_router

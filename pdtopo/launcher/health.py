@@ -56,9 +56,11 @@ def router_workers_ready(base_url: str, expected: int, timeout: float = 2.0,
 
 
 def proxy_worker_count(plan: Plan) -> int:
-    """P and D HTTP endpoints the proxy is given: one per instance (the leaders)."""
+    """Server HTTP endpoints the proxy is given (P and D, or mode dp's colocated servers):
+    one per instance (the leaders)."""
     return sum(1 for p in plan.processes
-               if p.role in ("prefill", "decode") and getattr(p, "leader", True) is not False)
+               if p.role in ("prefill", "decode", "colocated")
+               and getattr(p, "leader", True) is not False)
 
 
 @dataclass

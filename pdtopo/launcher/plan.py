@@ -177,7 +177,7 @@ class _Server:
 def _server_roles(topo: TopologySchema) -> list[tuple[str, RoleSchema]]:
     if topo.mode == "pd":
         return [("prefill", topo.prefill), ("decode", topo.decode)]
-    if topo.mode == "colocated":
+    if topo.mode in ("colocated", "dp"):
         return [("colocated", topo.colocated)]
     return [("prefill", topo.prefill), ("decode", topo.decode)]  # local: chips of both meshes
 
@@ -369,8 +369,10 @@ def _bootstrap_process(topo: TopologySchema, run_dir: str, python: str,
 
 def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[str, int],
                    prefills: list[Process], decodes: list[Process], *,
-                   derived_key: bool = False) -> list[str]:
-    """`derived_key`: the router's key is the one derived from the deployment token."""
+                   derived_key: bool = False, workers: Sequence[Process] = ()) -> list[str]:
+    """`derived_key`: the router's key is the one derived from the deployment token.
+    `workers`: regular mode (mode dp), one colocated worker per instance, routed by
+    `proxy.policy`; else PD mode over `prefills` and `decodes`."""
     router = GATEWAY_MODULE if proxy.kind == "gateway" else ROUTER_MODULE
     if proxy.api_key or proxy.api_key_file or derived_key:
         cmd = [python, "-m", ROUTER_KEY_MODULE]
@@ -378,7 +380,10 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
             cmd += ["--router-module", router]
     else:
         cmd = [python, "-m", router]
-    cmd += ["--pd-disaggregation"]
+    if workers:
+        cmd += ["--worker-urls", *(w.url for w in workers)]
+    else:
+        cmd += ["--pd-disaggregation"]
     for p in prefills:
         cmd += ["--prefill", p.url, str(p.ports["zmq"])]
     for d in decodes:
@@ -387,8 +392,10 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
     if proxy.kind == "mini_lb":
         cmd += ["--mini-lb", "--policy", "random"]
     else:
+        policies = (["--policy", proxy.policy] if workers else
+                    ["--prefill-policy", proxy.policy, "--decode-policy", proxy.decode_policy])
         cmd += ["--prometheus-host", address, "--prometheus-port", str(ports["prometheus"]),
-                "--prefill-policy", proxy.policy, "--decode-policy", proxy.decode_policy,
+                *policies,
                 "--health-check-interval-secs", str(proxy.health_check_interval_s),
                 "--health-failure-threshold", str(proxy.health_failure_threshold),
                 "--health-check-timeout-secs", str(proxy.health_check_timeout_s)]
@@ -418,6 +425,7 @@ def _proxy_process(topo: TopologySchema, proxy: ProxySchema, servers: list[Proce
         keys["prometheus"] = "topology.proxy.prometheus_port"
     prefills = [p for p in servers if p.role == "prefill" and p.leader]
     decodes = [p for p in servers if p.role == "decode" and p.leader]
+    workers = [p for p in servers if p.role == "colocated" and p.leader]
     env = _common_env(launcher)
     env.update(_key_env(proxy))
     if derived_key:
@@ -426,7 +434,7 @@ def _proxy_process(topo: TopologySchema, proxy: ProxySchema, servers: list[Proce
         name="proxy", role="proxy", host=host, address=address, instance_id="proxy",
         rank=default_rank(), chips=[], mesh={}, ports=ports, env=env,
         command=router_command(python, proxy, address, ports, prefills, decodes,
-                               derived_key=derived_key),
+                               derived_key=derived_key, workers=workers),
         health_url=f"http://{address}:{ports['http']}/health", priority=PRIORITY["proxy"],
         port_keys=keys,
         secret_env=_key_secret_env(proxy),
@@ -451,7 +459,7 @@ def _guard_servers(servers: list[Process], proxy: ProxySchema, server: ServerSet
     if not guarded:
         return servers, False
     validate.check_credential_proxy(proxy, mode, sorted(guarded), server)
-    derived = mode == "pd" and not (proxy.api_key or proxy.api_key_file)
+    derived = mode in ("pd", "dp") and not (proxy.api_key or proxy.api_key_file)
     env = {**_key_env(proxy), **({API_KEY_DERIVED_ENV: "1"} if derived else {})}
     return [replace(p, env={**p.env, **env}, secret_env={**p.secret_env,
                                                          **_key_secret_env(proxy)})
@@ -483,6 +491,9 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
         prox = _proxy_process(topo, proxy, servers, python, settings.launcher, derived_key)
         processes = [boot, *servers, prox]
         bootstrap_url, proxy_url = boot.url, prox.url
+    elif topo.mode == "dp":  # data-parallel colocated: the router in regular mode, no bootstrap
+        prox = _proxy_process(topo, proxy, servers, python, settings.launcher, derived_key)
+        processes, proxy_url = [*servers, prox], prox.url
     else:
         processes = servers
     validate.check_ports((p.name, kind, p.port_keys.get(kind, f"{p.name}.{kind}"), p.address,

@@ -73,10 +73,21 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
             raise TopologyError(f"proxy.{key_field}", value,
                                 f"not a policy of the {proxy.kind} proxy (it offers: "
                                 f"{', '.join(offered)}){hint}")
+    if topo.mode == "dp" and proxy.kind == "mini_lb":
+        raise TopologyError("proxy.kind", proxy.kind, "mode dp routes colocated instances with "
+                            "the router's regular mode, which mini_lb (PD only) does not have; "
+                            "use proxy=rust or proxy=gateway")
+    if topo.mode == "dp" and proxy.policy == "bucket":
+        raise TopologyError("proxy.policy", proxy.policy, "bucket is a prefill-only policy of "
+                            "PD mode; mode dp takes random, round_robin, cache_aware, "
+                            "power_of_two or manual")
     for key_field, role in (("policy", topo.prefill), ("decode_policy", topo.decode)):
-        if topo.mode == "pd" and getattr(proxy, key_field) == "power_of_two" \
-                and role.instances < 2:
-            which = "prefill" if key_field == "policy" else "decode"
+        if topo.mode == "dp" and key_field == "policy":
+            role = topo.colocated
+        if (topo.mode == "pd" or (topo.mode == "dp" and key_field == "policy")) \
+                and getattr(proxy, key_field) == "power_of_two" and role.instances < 2:
+            which = ("colocated" if topo.mode == "dp" else "prefill") if key_field == "policy" \
+                else "decode"
             raise TopologyError(f"proxy.{key_field}", "power_of_two",
                                 f"the router refuses power_of_two with fewer than 2 {which} "
                                 f"instances (topology.{which}.instances={role.instances}); use "
