@@ -153,8 +153,8 @@ def _diff(argv: list[str]) -> int:
                 res = diff.diff_configs(cfg_a, cfg_b, host_cpus(), label_a, label_b)
         else:
             cfg_a, cfg_b = compose_config(over_a), compose_config(over_b)
-            res = diff.diff_configs(cfg_a, cfg_b, host_cpus(),
-                                    " ".join(over_a) or "defaults", " ".join(over_b) or "defaults")
+            res = diff.diff_configs(cfg_a, cfg_b, host_cpus(), diff.label_of(over_a),
+                                    diff.label_of(over_b))
     except TopologyError as exc:
         display.print_topology_error(exc, err)
         return EXIT_USAGE

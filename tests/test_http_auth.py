@@ -46,8 +46,10 @@ def test_auto_guards_p_and_d_beyond_loopback_only():
         assert not http_auth_on("auto", role, "127.0.0.1")
         assert http_auth_on(True, role, "127.0.0.1")
         assert not http_auth_on(False, role, None)
-    assert not http_auth_on("auto", "colocated", None)  # a colocated server: only with true
-    assert http_auth_on(True, "colocated", "127.0.0.1")
+    assert not http_auth_on("auto", "colocated", None, "colocated")  # the clients' entry point
+    assert http_auth_on("auto", "colocated", None, "dp")  # behind the router: like P and D
+    assert not http_auth_on("auto", "colocated", "127.0.0.1", "dp")
+    assert http_auth_on(True, "colocated", "127.0.0.1") and http_auth_on(True, "local", None)
     for role in ("bootstrap", "proxy"):  # they have their own (token / API key)
         assert not http_auth_on(True, role, None)
 
@@ -77,7 +79,7 @@ def test_read_api_key_sources(tmp_path):
 def _ctx(setting="auto", role="prefill", bind_host=None, api_key="the-key", token=TOKEN):
     return SimpleNamespace(settings=SimpleNamespace(server=SimpleNamespace(http_auth=setting)),
                            role=role, bind_host=bind_host or "10.200.0.1", name=f"{role}_0",
-                           api_key=api_key, token=token)
+                           api_key=api_key, token=token, plan={"mode": "pd"})
 
 
 def test_guard_accepts_the_key_or_the_token_only():
@@ -95,7 +97,7 @@ def test_guard_accepts_the_key_or_the_token_only():
 
 
 def test_a_guarded_server_without_any_credential_refuses_to_start():
-    with pytest.raises(RuntimeError, match=r"server.http_auth='auto': prefill_0 listens on"):
+    with pytest.raises(RuntimeError, match=r"server.http_auth='auto': prefill_0 \(listening on 10.200.0.1\)"):
         HttpGuard.from_context(_ctx(api_key=None, token=None))
 
 
@@ -222,3 +224,51 @@ def test_run_dir_holds_the_derived_key_private(tmp_path):
     cfg = compose_config(["topology=1p1d_cpu"])
     write_run_dir(loop, cfg, expand_plan(cfg, run_dir=str(loop), cpus=[0, 1]), "", token)
     assert not (loop / "api_key").exists()
+
+
+def test_dp_workers_beyond_loopback_need_the_key_and_colocated_true_derives_one(tmp_path):
+    dp = _plan("topology.mode=dp", "topology.colocated.instances=2", "topology.accelerator=cpu-2",
+               "server.bind_host=0.0.0.0").by_name()
+    for name in ("colocated_0", "colocated_1", "proxy"):
+        assert dp[name].env[API_KEY_DERIVED_ENV] == "1", name
+    cfg = compose_config(["topology=colocated_cpu", "server.http_auth=true"])
+    plan = expand_plan(cfg, run_dir=str(tmp_path), cpus=[0])
+    assert plan.by_name()["colocated_0"].env[API_KEY_DERIVED_ENV] == "1"
+    token = new_token()
+    write_run_dir(tmp_path, cfg, plan, "", token)  # clients (bench, tune) find it there
+    assert (tmp_path / "api_key").read_text().strip() == derived_api_key(token)
+
+
+def test_a_k8s_render_guards_servers_whose_topology_says_loopback(tmp_path):
+    """Pods listen on their DNS names: a one-host topology (127.0.0.1 in its file) rendered
+    for k8s gets the credential too, or the router's requests would be refused."""
+    from pdtopo.launcher.k8s_job import k8s_objects
+
+    cfg = compose_config(["topology=1p1d_v6e8", "server.bind_host=null"])
+    token = new_token()
+    objects = k8s_objects(cfg, tmp_path, token)
+    secret = next(o for o in objects.values() if o["kind"] == "Secret")
+    assert secret["stringData"]["proxy-api-key"] == derived_api_key(token)
+    plan = json.loads(next(o for o in objects.values()
+                           if o["kind"] == "ConfigMap")["data"]["plan.json"])
+    for proc in plan["processes"]:
+        if proc["role"] in ("prefill", "decode", "proxy"):
+            assert proc["env"][API_KEY_DERIVED_ENV] == "1", proc["name"]
+
+
+def test_scale_gives_every_guarded_program_the_running_key(tmp_path):
+    """config.yaml holds proxy.api_key redacted; the real key comes from supervisord.conf."""
+    from pdtopo.cli import main
+    from pdtopo.launcher.rolling import Deployment
+    from pdtopo.launcher.scale import plan_scale
+
+    run = tmp_path / "run"
+    assert main(["render", "topology=2p2d_cpu", "topology.accelerator=cpu-6",
+                 "proxy.api_key=the-real-key", "server.http_auth=true",
+                 f"hydra.run.dir={run}"]) == 0
+    assert "the-real-key" not in (run / "config.yaml").read_text()
+    _cfg, plan = plan_scale(Deployment.load(run, "scale"), {"prefill": 3})
+    keyed = {p.name: p.secret_env.get(API_KEY_ENV) for p in plan.processes}
+    assert keyed.pop("bootstrap") is None
+    assert set(keyed) == {"prefill_0", "prefill_1", "prefill_2", "decode_0", "decode_1", "proxy"}
+    assert set(keyed.values()) == {"the-real-key"}

@@ -1,13 +1,14 @@
 """Who must show a credential over HTTP, and the proxy API key every layer agrees on.
 
     beyond_loopback(bind_host)              -> bool   (null = every interface: yes)
-    http_auth_on(setting, role, bind_host)  -> bool   (`server.http_auth` for one server)
+    http_auth_on(setting, role, bind_host, mode) -> bool   (`server.http_auth`, one server)
     derived_api_key(token)                  -> str    (the key when none is configured)
     read_api_key(environ)                   -> str | None
 
-The planner decides (pure) which P/D servers require a credential: `server.http_auth: auto`
-turns it on for a P or D that listens beyond loopback; true / false force it for every
-server role. Such a server accepts `Authorization: Bearer <key>` with the proxy's API key (what
+The planner decides (pure) which servers require a credential: `server.http_auth: auto`
+turns it on for a P or D, or a colocated server behind the router (mode dp), that listens
+beyond loopback (a colocated server of mode colocated is itself the clients' entry point and
+stays open); true / false force it for every server role. Such a server accepts `Authorization: Bearer <key>` with the proxy's API key (what
 the router sends on the client's behalf and for its own info calls) or the deployment token
 (the launcher's admin calls). The key reaches a program through its environment:
 `PDTOPO_PROXY_API_KEY` (from `proxy.api_key`, supervisord.conf 0600 or the k8s Secret),
@@ -29,7 +30,8 @@ API_KEY_ENV = "PDTOPO_PROXY_API_KEY"
 API_KEY_FILE_ENV = "PDTOPO_PROXY_API_KEY_FILE"
 API_KEY_DERIVED_ENV = "PDTOPO_PROXY_API_KEY_DERIVED"
 HTTP_AUTH_SETTINGS = ("auto", True, False)
-AUTH_ROLES = ("prefill", "decode")  # who `auto` protects (a colocated server: only with true)
+AUTH_ROLES = ("prefill", "decode")  # who `auto` protects (and colocated servers of mode dp)
+ALL_SERVER_ROLES = ("prefill", "decode", "colocated", "local")  # who `true` protects
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # the router's checks and the scrape
 
 _LABEL = b"pdtopo proxy API key v1"
@@ -46,12 +48,16 @@ def beyond_loopback(bind_host: str | None) -> bool:
         return True  # a host name: assume routable
 
 
-def http_auth_on(setting: str | bool, role: str, bind_host: str | None) -> bool:
+def http_auth_on(setting: str | bool, role: str, bind_host: str | None,
+                 mode: str | None = "pd") -> bool:
+    """`bind_host`: where the server listens (None: every interface); `mode`: the topology's
+    (a colocated server behind the router in mode dp is guarded like P and D)."""
     if setting is True:
-        return role in (*AUTH_ROLES, "colocated")
+        return role in ALL_SERVER_ROLES
     if setting is False:
         return False
-    return role in AUTH_ROLES and beyond_loopback(bind_host)
+    behind_router = role in AUTH_ROLES or (role == "colocated" and mode == "dp")
+    return behind_router and beyond_loopback(bind_host)
 
 
 def derived_api_key(token: str) -> str:

@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import tarfile
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,8 @@ from pdtopo.launcher.render_supervisord import render_supervisord
 NEUTRAL_RUN_DIR = "RUN_DIR"
 NEUTRAL_PYTHON = "python"
 NEUTRAL_TOKEN = "TOKEN"
+SECRET_MASK = "<secret>"  # what a diff shows for a secret value (the proxy API key)
+SECRET_KEYS = frozenset({"proxy.api_key"})
 NEUTRAL_WORKDIR = "WORKDIR"
 MISSING = "<absent>"
 
@@ -48,6 +50,12 @@ class DiffResult:
     def identical(self) -> bool:
         return not (self.config or self.added or self.removed or self.processes
                     or self.conf_diff)
+
+
+def label_of(overrides: list[str]) -> str:
+    """A side's label from its overrides, secrets masked."""
+    return " ".join(f"{o.split('=', 1)[0]}={SECRET_MASK}" if o.lstrip("+~").split("=", 1)[0]
+                    in SECRET_KEYS else o for o in overrides) or "defaults"
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -69,8 +77,11 @@ def config_changes(cfg_a: DictConfig, cfg_b: DictConfig) -> list[tuple[str, Any,
                   if k != "hydra"})
     b = _flatten({k: v for k, v in OmegaConf.to_container(cfg_b, resolve=True).items()
                   if k != "hydra"})
-    return [(k, a.get(k, MISSING), b.get(k, MISSING)) for k in sorted(set(a) | set(b))
-            if a.get(k, MISSING) != b.get(k, MISSING)]
+    def shown(key: str, value: Any) -> Any:  # a changed secret shows as changed, not its value
+        return SECRET_MASK if key in SECRET_KEYS and value not in (None, MISSING) else value
+
+    return [(k, shown(k, a.get(k, MISSING)), shown(k, b.get(k, MISSING)))
+            for k in sorted(set(a) | set(b)) if a.get(k, MISSING) != b.get(k, MISSING)]
 
 
 def _dict_changes(name: str, a: dict, b: dict) -> list[tuple[str, Any, Any]]:
@@ -98,6 +109,10 @@ def process_changes(pa: dict, pb: dict) -> list[tuple[str, Any, Any]]:
 
 
 def render_neutral(cfg: DictConfig, plan: Plan) -> str:
+    """supervisord.conf with neutral paths and token, and secrets (the proxy API key) masked:
+    a diff is for review and ends up in terminals, PRs and files."""
+    plan = replace(plan, processes=[
+        replace(p, secret_env={k: SECRET_MASK for k in p.secret_env}) for p in plan.processes])
     return render_supervisord(plan, run_dir=NEUTRAL_RUN_DIR, token=NEUTRAL_TOKEN,
                               workdir=NEUTRAL_WORKDIR, settings=program_settings(cfg))
 

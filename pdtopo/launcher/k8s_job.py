@@ -28,7 +28,7 @@ FORMATS = ("supervisord", "k8s")
 
 def k8s_objects(cfg: DictConfig, run_dir: Path, token: str) -> dict[str, dict]:
     """The manifests of a composed config (pure apart from the config; TopologyError)."""
-    plan = expand_plan(cfg, run_dir=str(run_dir), cpus=[0])
+    plan = expand_plan(cfg, run_dir=str(run_dir), cpus=[0], routable=True)  # pods: DNS names
     kplan, groups, settings = k8s_plan(plan, cfg)
     return render_k8s(kplan, groups, settings, config_text=resolved_config(cfg), token=token,
                       api_key=typed_proxy(cfg).api_key or clients_key(kplan, token))

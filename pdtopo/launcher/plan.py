@@ -450,16 +450,18 @@ def _key_secret_env(proxy: ProxySchema) -> dict[str, str]:
 
 
 def _guard_servers(servers: list[Process], proxy: ProxySchema, server: ServerSettings,
-                   mode: str) -> tuple[list[Process], bool]:
+                   mode: str, routable: bool = False) -> tuple[list[Process], bool]:
     """The servers with the proxy key in their environment where `server.http_auth` makes
-    them require a credential, and whether the key is the derived one (a PD deployment that
-    needs a key and configures none)."""
+    them require a credential, and whether the key is the derived one (servers that need a
+    key, none configured). `routable`: every server listens beyond loopback whatever its
+    plan address (a k8s render: pods listen on their DNS names)."""
     guarded = {p.name for p in servers
-               if http_auth_on(server.http_auth, p.role, server.bind_host or p.address)}
+               if http_auth_on(server.http_auth, p.role,
+                               None if routable else server.bind_host or p.address, mode)}
     if not guarded:
         return servers, False
     validate.check_credential_proxy(proxy, mode, sorted(guarded), server)
-    derived = mode in ("pd", "dp") and not (proxy.api_key or proxy.api_key_file)
+    derived = not (proxy.api_key or proxy.api_key_file)
     env = {**_key_env(proxy), **({API_KEY_DERIVED_ENV: "1"} if derived else {})}
     return [replace(p, env={**p.env, **env}, secret_env={**p.secret_env,
                                                          **_key_secret_env(proxy)})
@@ -467,8 +469,10 @@ def _guard_servers(servers: list[Process], proxy: ProxySchema, server: ServerSet
 
 
 def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "python",
-                cpus: int | Sequence[int] | None = None) -> Plan:
-    """Expand a composed config into a validated Plan (pure; raises TopologyError)."""
+                cpus: int | Sequence[int] | None = None, routable: bool = False) -> Plan:
+    """Expand a composed config into a validated Plan (pure; raises TopologyError).
+    `routable`: the servers will listen beyond loopback whatever their plan addresses say
+    (a k8s render), so `server.http_auth: auto` guards them."""
     topo = typed_topology(cfg)
     proxy = typed_proxy(cfg)
     validate.check_basics(topo, proxy)
@@ -483,7 +487,7 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
             allow_incompatible=settings.launcher.allow_incompatible_roles)
     servers = _server_processes(cfg, topo, acc, _assign_chips(topo, acc), str(run_dir),
                                 python, cpus, settings.launcher)
-    servers, derived_key = _guard_servers(servers, proxy, settings.server, topo.mode)
+    servers, derived_key = _guard_servers(servers, proxy, settings.server, topo.mode, routable)
     processes: list[Process] = []
     bootstrap_url = proxy_url = None
     if topo.mode == "pd":

@@ -80,8 +80,9 @@ def write_run_dir(run_dir: Path, cfg: DictConfig, plan: Plan, conf_text: str, to
 
 
 def uses_derived_key(plan: Plan) -> bool:
-    """The proxy's API key is derived from the token (P/D beyond loopback, none configured)."""
-    return any(API_KEY_DERIVED_ENV in p.env for p in plan.processes if p.role == "proxy")
+    """The API key is derived from the token (servers that require a credential, none
+    configured): clients find it in RUN/api_key."""
+    return any(API_KEY_DERIVED_ENV in p.env for p in plan.processes)
 
 
 def remove_if_empty(run_dir: Path) -> None:

@@ -92,9 +92,15 @@ def plan_scale(dep: Deployment, counts: dict[str, int]) -> tuple[DictConfig, Pla
     servers = [p for p in dep.plan.processes if p.role in ROLES]
     new_plan = scaled_plan(new_cfg, dep.plan, run_dir=str(dep.run_dir),
                            python=servers[0].command[0], cpus=host_cpus())
+    # the key itself is only in supervisord.conf (config.yaml holds it redacted): the proxy and
+    # every server that checks credentials (server.http_auth) get the running one again
     key = run_conf.program_environment(dep.run_dir, "proxy").get(API_KEY_ENV)
-    new_plan.processes = [replace(p, secret_env={API_KEY_ENV: key}) if p.role == "proxy" and key
-                          else p for p in new_plan.processes]
+    if key:
+        new_plan.processes = [
+            replace(p, secret_env={**p.secret_env, API_KEY_ENV: key})
+            if p.role == "proxy" or API_KEY_ENV in p.secret_env
+            or API_KEY_ENV in run_conf.program_environment(dep.run_dir, p.name) else p
+            for p in new_plan.processes]
     return new_cfg, new_plan
 
 

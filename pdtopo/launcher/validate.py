@@ -166,12 +166,14 @@ def check_credential_proxy(proxy: ProxySchema, mode: str, guarded: list[str],
                            server: ServerSettings) -> None:
     """Servers that require a credential (`server.http_auth`) need a proxy that sends one."""
     if mode == "pd" and proxy.kind == "mini_lb":
+        setting = str(server.http_auth).lower()
+        why = ("listen beyond loopback, so with server.http_auth=auto their HTTP APIs "
+               "require a credential" if setting == "auto" else
+               "require a credential (server.http_auth=true)")
         raise TopologyError("proxy.kind", proxy.kind,
-                            f"{', '.join(guarded)} listen beyond loopback (server.bind_host="
-                            f"{server.bind_host}), so their HTTP APIs require a credential "
-                            f"(server.http_auth={server.http_auth}), and mini_lb sends none; "
-                            "use proxy=rust or proxy=gateway, or server.http_auth=false to "
-                            "leave them open")
+                            f"{', '.join(guarded)} {why}, and mini_lb sends none; use "
+                            "proxy=rust or proxy=gateway, or server.http_auth=false to leave "
+                            "them open")
 
 
 def _loopback(address: str) -> bool:

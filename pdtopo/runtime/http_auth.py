@@ -28,31 +28,37 @@ WWW_AUTHENTICATE = b'Bearer realm="pdtopo"'
 class HttpGuard:
     required: bool
     accepted: tuple[str, ...] = ()
+    why: str = ""  # the setting and the address that made this server require one
 
     @classmethod
     def from_context(cls, ctx: Any) -> HttpGuard:
         setting = ctx.settings.server.http_auth
-        if not http_auth_on(setting, ctx.role, ctx.bind_host):
+        if not http_auth_on(setting, ctx.role, ctx.bind_host, (ctx.plan or {}).get("mode")):
             return cls(required=False)
         accepted = tuple(c for c in (ctx.api_key, ctx.token) if c)
         if not accepted:
-            raise RuntimeError(f"server.http_auth={setting!r}: {ctx.name} listens on "
-                               f"{ctx.bind_host} and must check a credential, but it has none "
+            raise RuntimeError(f"server.http_auth={setting!r}: {ctx.name} (listening on "
+                               f"{ctx.bind_host}) must check a credential, but it has none "
                                "(no deployment token PDTOPO_DEPLOYMENT_TOKEN, no proxy API key)")
-        return cls(required=True, accepted=accepted)
+        return cls(required=True, accepted=accepted,
+                   why=f"server.http_auth={_yaml(setting)}, listening on {ctx.bind_host}")
 
     def problem(self, authorization: str | None) -> str | None:
         if not self.required:
             return None
         scheme, _, given = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
-            return ("this server listens beyond loopback and requires a credential: send "
-                    "'Authorization: Bearer <key>' with the proxy's API key or the deployment "
-                    "token (server.http_auth)")
+            return ("this server requires a credential: send 'Authorization: Bearer <key>' "
+                    "with the proxy's API key (RUN/api_key when it is derived) or the "
+                    f"deployment token ({self.why})")
         value = given.strip().encode()
         if any(secrets.compare_digest(value, c.encode()) for c in self.accepted):
             return None
         return "wrong credential: neither the proxy's API key nor the deployment token"
+
+
+def _yaml(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def unauthorized_body(message: str) -> bytes:

@@ -208,7 +208,7 @@ def write_report(root: Path, outcomes: list[Outcome], cfg: DictConfig, overrides
     (root / "topology").mkdir(exist_ok=True)
     (root / "topology" / f"{BEST_NAME}.yaml").write_text(best_topology(best.checked.cfg, name))
     res = diff.diff_configs(compose_config(overrides), best.checked.cfg, host_cpus(),
-                            " ".join(overrides) or "defaults", f"tune best: {best_row.label}")
+                            diff.label_of(overrides), f"tune best: {best_row.label}")
     (root / "best.diff.md").write_text(diff.to_markdown(res))
     written += [f"topology/{BEST_NAME}.yaml", "best.diff.md"]
     con.print(f"[bold green]best:[/] {best_row.label} ({best_row.rate_text()} req/s within the "

@@ -14,6 +14,7 @@ first. A candidate that fails to launch is recorded with its error and skipped.
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -88,7 +89,8 @@ class Deployed:
             self.url = url_of_plan(dep.plan)
             self.api_key = proxy_api_key(self.run_dir, typed_proxy(self.cfg))
             wait_serving(self.url, api_key=self.api_key)
-        except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
+        except (RuntimeError, TimeoutError, OSError, ValueError,
+                subprocess.SubprocessError) as exc:
             raise LaunchFailed(str(exc)) from exc
         self.launch_s = time.perf_counter() - t0
 
@@ -136,6 +138,15 @@ def _measure(out: Outcome, deployed: Deployed, bench: BenchSettings, store: Resu
     return measure
 
 
+def stop_leftovers(root: Path, con: Console) -> None:
+    """Stop the deployments a killed tune left running (they hold the ports every candidate
+    uses)."""
+    for run_dir in sorted((root / "deployments").glob("*")):
+        if holds_deployment(run_dir) and (run_dir / "supervisord.pid").exists():
+            con.print(f"stopping {run_dir}, left running by an interrupted tune")
+            run_cli(["stop", str(run_dir)], timeout=180)
+
+
 def tune_candidate(out: Outcome, s: TuneSettings, bench: BenchSettings, store: ResultStore,
                    overrides: list[str], con: Console, where: str) -> None:
     cand = out.checked.candidate
@@ -146,7 +157,7 @@ def tune_candidate(out: Outcome, s: TuneSettings, bench: BenchSettings, store: R
         con.print(f"  {where} {cand.label}: skipped, its launch failed before "
                   f"({store.dir(cand, out.key) / 'launch.json'})")
         return
-    deployed = Deployed(Path(s.dir) / "deployments" / cand.slug,
+    deployed = Deployed(Path(s.dir).resolve() / "deployments" / cand.slug,
                         [*overrides, *cand.overrides], out.checked.cfg)
     try:
         out.search = find_max_rate(_measure(out, deployed, bench, store, con, where), s)
@@ -201,8 +212,9 @@ def tune(overrides: list[str], con: Console) -> int:
         for line in dry_run_lines(checked, budget):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         return 0
-    root = Path(s.dir)
+    root = Path(s.dir).resolve()  # deployments launch from the project root: no relative path
     store = ResultStore(root)
+    stop_leftovers(root, con)
     valid = [c for c in checked if c.plan is not None]
     con.print(f"pdtopo tune: {len(valid)} of {len(checked)} candidates for {budget} chips of "
               f"{topo.name} ({acc.name}), goodput target {s.goodput_target:.0%} within "

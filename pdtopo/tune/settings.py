@@ -43,7 +43,21 @@ class TuneSettings:
             if key not in known:
                 raise TuneConfigError(key, data[key], f"unknown key; known: {sorted(known)}")
         if "kinds" in data:
-            data["kinds"] = tuple(data["kinds"])
+            kinds = data["kinds"]
+            data["kinds"] = (kinds,) if isinstance(kinds, str) else tuple(kinds or ())
+        for key, kind in (("goodput_target", float), ("start_rate", float), ("growth", float),
+                          ("precision", float), ("max_runs_per_candidate", int),
+                          ("max_candidates", int)):
+            if key in data:
+                value = data[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                        (kind is int and not float(value).is_integer()):
+                    raise TuneConfigError(key, value, f"must be a number"
+                                          f"{' (a whole one)' if kind is int else ''}")
+                data[key] = kind(value)
+        if "chips" in data and data["chips"] is not None and (
+                isinstance(data["chips"], bool) or not isinstance(data["chips"], int)):
+            raise TuneConfigError("chips", data["chips"], "a positive number of chips, or null")
         s = cls(**data)
         s.check()
         return s
