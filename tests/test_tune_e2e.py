@@ -1,17 +1,25 @@
-"""`pdtopo tune topology=1p1d_cpu tune.chips=2` over real deployments, on a tiny workload:
-the four candidates (colocated tp=1 and tp=2, 2x colocated tp=1 behind the router, 1P1D) are
-each launched, searched and stopped; the ranking, summary files, best topology file and its
-diff are written; a rerun resumes from the stored runs without launching anything; and the best
-topology file launches with `pdtopo launch --config-dir TUNE_DIR topology=best` and serves."""
+"""`pdtopo tune topology=1p1d_cpu tune.chips=2` over real deployments, on a tiny workload.
+The first tune is killed (SIGKILL) while it benches its second candidate; the rerun stops the
+deployment the killed tune left running, replays what was stored and finishes: the four
+candidates (colocated tp=1 and tp=2, 2x colocated tp=1 behind the router, 1P1D) each
+launched, searched and stopped, the ranking, summary files, best topology file and its diff
+written. A third run repeats nothing, and the best topology file launches with
+`pdtopo launch --config-dir TUNE_DIR topology=best` and serves."""
 
 from __future__ import annotations
 
 import csv
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from pdtopo.bench.run import url_of_plan
 from tests.e2e_support import (
+    REPO_ROOT,
     Deployment,
     deployment_overrides,
     generate,
@@ -35,13 +43,37 @@ def tuned(tmp_path_factory):
                  "bench.num_requests=8", "bench.warmup_requests=1", "bench.input_len=16",
                  "bench.output_len=4", "bench.max_concurrency=4", "bench.slo.ttft_ms=5000",
                  "bench.slo.itl_ms=1000"]
+    killed = subprocess.Popen([sys.executable, "-m", "pdtopo.cli", "tune", *overrides],
+                              cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen, deadline = [], time.monotonic() + 900
+    assert killed.stdout is not None
+    for line in killed.stdout:  # kill it in the middle of the second candidate's search
+        seen.append(line)
+        if "[2/4]" in line and "req/s -> goodput" in line or time.monotonic() > deadline:
+            break
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(30)
+    assert any("[2/4]" in line for line in seen), "".join(seen)
     first = run_pdtopo(["tune", *overrides], timeout=1200)
-    yield tune_dir, overrides, first
+    yield tune_dir, overrides, first, "".join(seen)
     assert not processes_of_run(tune_dir), "a candidate's deployment outlived pdtopo tune"
 
 
+def test_the_rerun_after_a_kill_resumes_and_cleans_up(tuned):
+    _, _, first, killed_out = tuned
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    # the killed tune's deployment (candidate 2) was still running: stopped first
+    assert "left running by an interrupted tune" in first.stdout, first.stdout
+    done_before = [line.strip() for line in killed_out.splitlines() if "req/s -> goodput" in line]
+    resumed = [line.strip() for line in first.stdout.splitlines() if "req/s -> goodput" in line]
+    for line in done_before:  # every run the killed tune finished is replayed, not repeated
+        assert f"{line} (stored)" in resumed, (line, first.stdout)
+    assert any("(stored)" not in line for line in resumed)  # and the rest was measured
+
+
 def test_every_candidate_is_ranked_and_the_files_are_written(tuned):
-    tune_dir, _, first = tuned
+    tune_dir, _, first, _ = tuned
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert "4 of 4 candidates for 2 chips" in first.stdout
     with (tune_dir / "summary.csv").open() as fh:
@@ -63,7 +95,7 @@ def test_every_candidate_is_ranked_and_the_files_are_written(tuned):
 
 
 def test_a_rerun_resumes_from_the_stored_runs(tuned):
-    tune_dir, overrides, first = tuned
+    tune_dir, overrides, first, _ = tuned
     again = run_pdtopo(["tune", *overrides], timeout=600)
     assert again.returncode == 0, again.stdout[-4000:]
     measured = [line for line in again.stdout.splitlines() if "req/s -> goodput" in line]
@@ -73,7 +105,7 @@ def test_a_rerun_resumes_from_the_stored_runs(tuned):
 
 
 def test_the_best_topology_launches_and_serves(tuned, tmp_path):
-    tune_dir, _, _ = tuned
+    tune_dir, _, _, _ = tuned
     dep = Deployment(tmp_path / "best", ["--config-dir", str(tune_dir), "topology=best",
                                          "model.num_layers=1",
                                          *deployment_overrides(port_block(40))]).launch()

@@ -111,13 +111,25 @@ def _cells(i: int, r: Row) -> list[str]:
             _fmt(r.launch_s, 1), str(r.runs), r.status]
 
 
+SHORT_HEADERS = ("#", "candidate", "units", "req/s", "/unit", "TTFT99", "ITL99", "up s", "runs")
+
+
 def table(rows: list[Row], unit: str) -> Table:
-    t = Table(title=f"pdtopo tune (unit: {unit})")
-    for h in HEADERS:
-        t.add_column(h)
+    """The terminal's ranking: candidates by slug, short headers; why a candidate has no rank
+    goes below the table (`notes`), summary.md has everything."""
+    t = Table(title=f"pdtopo tune: req/s within the SLOs, goodput /unit (unit: {unit}), "
+              "p99 latencies in ms, launch (up) s")
+    for h in SHORT_HEADERS:
+        t.add_column(h, no_wrap=True)
     for i, r in enumerate(rows, 1):
-        t.add_row(*_cells(i, r))
+        t.add_row(str(i) if r.ok else "-", r.slug, str(r.units or "-"), r.rate_text(),
+                  _fmt(r.per_unit, 2), _fmt(r.ttft_p99_ms, 0), _fmt(r.itl_p99_ms, 0),
+                  _fmt(r.launch_s, 0), str(r.runs))
     return t
+
+
+def notes(rows: list[Row]) -> list[str]:
+    return [f"  {r.slug}: {r.status}" for r in rows if not r.ok]
 
 
 def markdown(rows: list[Row], unit: str, target: float, best: Row | None) -> str:
@@ -164,7 +176,6 @@ def write_png(path: Path, rows: list[Row], outcomes: list[Outcome], unit: str,
         right.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                    label=out.checked.candidate.label)
     right.axhline(target, color="grey", linestyle="--", label=f"target {target:.0%}")
-    right.set_xscale("log")
     right.set_xlabel("request rate (req/s)")
     right.set_ylabel("goodput fraction")
     right.legend(fontsize="small")
@@ -194,13 +205,15 @@ def write_report(root: Path, outcomes: list[Outcome], cfg: DictConfig, overrides
     rows = ranked([row_of(o) for o in outcomes])
     best_row = rows[0] if rows and rows[0].ok else None
     con.print(table(rows, unit))
+    for line in notes(rows):
+        con.print(line, markup=False, highlight=False, soft_wrap=True)
     (root / "summary.md").write_text(markdown(rows, unit, target, best_row))
     write_csv(root / "summary.csv", rows)
     write_png(root / "summary.png", rows, outcomes, unit.split()[0], target)
     written = ["summary.md", "summary.csv", "summary.png"]
     if best_row is None:
         con.print("[bold red]no candidate met the goodput target[/] at any rate tried; "
-                  f"see {root / 'summary.md'}")
+                  f"see {root / 'summary.md'}", soft_wrap=True)
         return 1
     best = next(o for o in outcomes if o.checked.candidate.slug == best_row.slug)
     assert best.checked.cfg is not None
@@ -209,10 +222,13 @@ def write_report(root: Path, outcomes: list[Outcome], cfg: DictConfig, overrides
     (root / "topology" / f"{BEST_NAME}.yaml").write_text(best_topology(best.checked.cfg, name))
     res = diff.diff_configs(compose_config(overrides), best.checked.cfg, host_cpus(),
                             diff.label_of(overrides), f"tune best: {best_row.label}")
-    (root / "best.diff.md").write_text(diff.to_markdown(res))
+    same = "" if not res.identical else (
+        "\nThe starting topology is already the best candidate for this workload.\n")
+    (root / "best.diff.md").write_text(diff.to_markdown(res) + same)
     written += [f"topology/{BEST_NAME}.yaml", "best.diff.md"]
     con.print(f"[bold green]best:[/] {best_row.label} ({best_row.rate_text()} req/s within the "
               f"SLOs, {_fmt(best_row.per_unit, 3)} per {unit.split()[0]}); wrote "
-              f"{', '.join(written)} in {root}")
-    con.print(f"  launch it: pdtopo launch --config-dir {root.resolve()} topology={BEST_NAME}")
+              f"{', '.join(written)} in {root}", soft_wrap=True)
+    con.print(f"  launch it: pdtopo launch --config-dir {root.resolve()} topology={BEST_NAME}",
+        soft_wrap=True)
     return 0

@@ -106,7 +106,8 @@ class Deployed:
                 httpx.post(url, headers={"Authorization": f"Bearer {token}"},
                            timeout=30).raise_for_status()
             except httpx.HTTPError as exc:
-                con.print(f"  [yellow]warning:[/] could not flush {proc['name']}'s cache: {exc}")
+                con.print(f"  [yellow]warning:[/] could not flush {proc['name']}'s cache: {exc}",
+                    soft_wrap=True)
 
     def close(self) -> None:
         if self.dep is not None and holds_deployment(self.run_dir):
@@ -131,8 +132,8 @@ def _measure(out: Outcome, deployed: Deployed, bench: BenchSettings, store: Resu
             store.save_rate(cand, out.key, rate, record)
         out.records[rate] = record
         g = float(record["goodput"])
-        con.print(f"  {where} {cand.label}: {rate:g} req/s -> goodput {g:.0%}"
-                  f"{' (stored)' if cached else ''}")
+        con.print(f"  {where} {cand.label}: {rate:g} req/s -> goodput {g:.1%}"
+                  f"{' (stored)' if cached else ''}", soft_wrap=True)
         return g
 
     return measure
@@ -143,7 +144,7 @@ def stop_leftovers(root: Path, con: Console) -> None:
     uses)."""
     for run_dir in sorted((root / "deployments").glob("*")):
         if holds_deployment(run_dir) and (run_dir / "supervisord.pid").exists():
-            con.print(f"stopping {run_dir}, left running by an interrupted tune")
+            con.print(f"stopping {run_dir}, left running by an interrupted tune", soft_wrap=True)
             run_cli(["stop", str(run_dir)], timeout=180)
 
 
@@ -155,7 +156,7 @@ def tune_candidate(out: Outcome, s: TuneSettings, bench: BenchSettings, store: R
     if launched and launched.get("error"):
         out.error = launched["error"]
         con.print(f"  {where} {cand.label}: skipped, its launch failed before "
-                  f"({store.dir(cand, out.key) / 'launch.json'})")
+                  f"({store.dir(cand, out.key) / 'launch.json'})", soft_wrap=True)
         return
     deployed = Deployed(Path(s.dir).resolve() / "deployments" / cand.slug,
                         [*overrides, *cand.overrides], out.checked.cfg)
@@ -164,7 +165,7 @@ def tune_candidate(out: Outcome, s: TuneSettings, bench: BenchSettings, store: R
     except LaunchFailed as exc:
         out.error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         store.save_launch(cand, out.key, {"error": out.error, "detail": str(exc)[-4000:]})
-        con.print(f"  {where} {cand.label}: [red]launch failed[/]: {out.error}")
+        con.print(f"  {where} {cand.label}: [red]launch failed[/]: {out.error}", soft_wrap=True)
         return
     finally:
         deployed.close()
@@ -218,13 +219,14 @@ def tune(overrides: list[str], con: Console) -> int:
     valid = [c for c in checked if c.plan is not None]
     con.print(f"pdtopo tune: {len(valid)} of {len(checked)} candidates for {budget} chips of "
               f"{topo.name} ({acc.name}), goodput target {s.goodput_target:.0%} within "
-              f"bench.slo; results in {root}")
+              f"bench.slo; results in {root}", soft_wrap=True)
     outcomes = []
     for k, c in enumerate(checked, 1):
         out = Outcome(c)
         outcomes.append(out)
         if c.plan is None:
-            con.print(f"  [{k}/{len(checked)}] {c.candidate.label}: not a valid plan: {c.error}")
+            con.print(f"  [{k}/{len(checked)}] {c.candidate.label}: not a valid plan: {c.error}",
+                soft_wrap=True)
             continue
         assert c.cfg is not None
         out.key = run_key(c.cfg)
