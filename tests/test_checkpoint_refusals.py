@@ -208,14 +208,17 @@ def test_preflight_checks_tensors_and_tp(tmp_path):
     (["topology=local_cpu"], "topology.prefill_slices"),  # its prefill mesh is tp=4
 ])
 def test_tp_that_cannot_split_the_model_fails_launch_and_warns_render(tmp_path, overrides, key):
-    """tp=4 cannot split 2 KV heads (the tiny random model: no checkpoint involved)."""
+    """tp=4 can neither split 3 KV heads nor repeat them evenly (the tiny random model with
+    12 attention heads: no checkpoint involved). Fewer KV heads that divide tp are repeated
+    and served (test_model_runner, test_local_e2e)."""
     run = tmp_path / "run"
-    res = run_pdtopo(["launch", *overrides, "model.num_kv_heads=2",
+    bad = ["model.num_kv_heads=3", "model.num_heads=12"]
+    res = run_pdtopo(["launch", *overrides, *bad,
                       "launcher.health_timeout_s=30", f"hydra.run.dir={run}"], timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"model error in {key}" in res.stderr and "num_kv_heads" in res.stderr
     assert not (run / "supervisord.pid").exists()
-    res, run = _render(tmp_path / "r", *overrides, "model.num_kv_heads=2")
+    res, run = _render(tmp_path / "r", *overrides, *bad)
     assert res.returncode == 0 and f"WARNING: {key}=4" in res.stderr, res.stderr
 
 

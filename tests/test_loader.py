@@ -159,11 +159,13 @@ def _runner(path: Path, tp: int = 1) -> ModelRunner:
     return ModelRunner(cfg.model, eng, build_mesh(tp))
 
 
-@pytest.mark.parametrize("arch,tied,tp", [("llama", False, 1), ("qwen2", True, 2)])
+@pytest.mark.parametrize("arch,tied,tp", [("llama", False, 1), ("qwen2", True, 2),
+                                          ("qwen2", True, 4)])  # 2 KV heads on 4: repeated
 def test_loaded_checkpoint_matches_numpy_forward(tmp_path, arch, tied, tp):
     tensors = make_checkpoint(tmp_path / arch, arch, tied)
     runner = _runner(tmp_path / arch, tp)
     cfg = runner.config
+    assert runner.model_config.num_kv_heads == KVH and cfg.num_kv_heads == max(KVH, tp)
     assert (cfg.architecture, cfg.qkv_bias, cfg.tie_word_embeddings) == (arch, arch == "qwen2",
                                                                            tied)
     assert cfg.eos_token_ids == (0, 2) and cfg.name == "hf-local"

@@ -113,3 +113,25 @@ def test_crashed_worker_thread_exits_and_supervisord_restarts(tmp_path_factory):
         assert len(out["output_ids"]) == 2  # the restarted process serves again
     finally:
         dep.stop_and_check()
+
+
+def test_two_kv_heads_on_the_tp4_prefill_mesh(tmp_path_factory):
+    """A model with 2 KV heads on local_cpu's tp=4 prefill mesh (refused before KV-head
+    replication): each KV head is repeated on 2 devices, and the greedy tokens equal a
+    colocated tp=1 server's of the same model."""
+    model = ["model.num_kv_heads=2"]
+    prompts = PROMPTS[1:3]
+    with colocated_reference(tmp_path_factory.mktemp("colocated_kv2"), [*ENGINE, *model],
+                             prompts, GREEDY) as ref:
+        dep = _launch(tmp_path_factory, "local_kv2", model)
+        try:
+            dep.launch()
+            (name,) = dep.names("local")
+            url = dep.url(name)
+            for p in prompts:
+                out = generate(url, {"text": p, "sampling_params": GREEDY})
+                assert out["output_ids"] == ref[p], p
+            engines = httpx.get(f"{url}/pdtopo/state", timeout=10).json()["engines"]
+            assert set(engines) == {"prefill_0", "decode_0", "decode_1"}
+        finally:
+            dep.stop_and_check()

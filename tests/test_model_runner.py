@@ -166,11 +166,41 @@ def test_tensor_parallel_matches_single_device(runner, tp):
     assert outs["tp"][2] == outs["one"][2]
 
 
-def test_tp_must_divide_kv_heads():
+def test_tp_must_divide_kv_heads_or_be_a_multiple_of_them():
     model, eng = _cfg()
-    model = OmegaConf.merge(model, {"num_kv_heads": 2, "num_heads": 8})
-    with pytest.raises(ValueError, match="num_kv_heads % tp == 0"):
-        ModelRunner(model, eng, build_mesh(4))
+    model = OmegaConf.merge(model, {"num_kv_heads": 2, "num_heads": 6})  # 3 devices: neither
+    with pytest.raises(ValueError, match=r"num_kv_heads % tp == 0 .* or tp % model.num_kv_heads"):
+        ModelRunner(model, eng, build_mesh(3))
+
+
+@pytest.mark.parametrize(("kv_heads", "tp"), [(2, 4), (1, 2), (1, 4)])
+def test_fewer_kv_heads_than_tp_repeat_them_with_the_same_tokens(kv_heads, tp):
+    """kv_heads < tp: every KV head is repeated on tp / kv_heads devices; the logits and greedy
+    tokens equal the one-device runner of the same checkpoint (same seed)."""
+    model, eng = _cfg()
+    model = OmegaConf.merge(model, {"num_kv_heads": kv_heads, "num_heads": 8})
+    one = ModelRunner(model, eng, build_mesh(1))
+    wide = ModelRunner(model, eng, build_mesh(tp))
+    assert wide.kv_replication == tp // kv_heads and wide.model_config.num_kv_heads == kv_heads
+    assert wide.config.num_kv_heads == tp and wide.kv_layout()["kv_heads"] == tp
+    assert wide.kv_caches[0].shape[2] == tp  # one KV head per device
+    lens = [11, 5]
+    prompts = [_prompt(70 + i, n) for i, n in enumerate(lens)]
+    alloc = PageAlloc(1)
+    pages = [alloc.take(n + 4) for n in lens]
+    outs = {}
+    for name, r in (("one", one), ("wide", wide)):
+        logits = np.asarray(r.forward([SeqChunk(p, 0, pg)
+                                       for p, pg in zip(prompts, pages, strict=True)]))
+        seqs = [[int(np.argmax(x))] for x in logits]
+        for _ in range(4):
+            step = np.asarray(r.forward([SeqChunk([s[-1]], n + len(s) - 1, pg)
+                                         for s, n, pg in zip(seqs, lens, pages, strict=True)]))
+            for s, x in zip(seqs, step, strict=True):
+                s.append(int(np.argmax(x)))
+        outs[name] = (logits, seqs)
+    np.testing.assert_allclose(outs["wide"][0], outs["one"][0], rtol=1e-4, atol=1e-4)
+    assert outs["wide"][1] == outs["one"][1]
 
 
 def test_bfloat16_runner_close_to_float32(runner):

@@ -125,8 +125,15 @@ def test_dry_run_lists_v6e8_candidates_with_tpu_env_and_starts_nothing(tmp_path,
     assert "for 8 chips (dry run: nothing started)" in out
     assert "pd-1p4-1d4: 1P tp=4 + 1D tp=4 (8 chips" in out
     assert "TPU_VISIBLE_CHIPS=4,5,6,7" in out and "TPU_CHIPS_PER_PROCESS_BOUNDS=1,4,1" in out
-    assert "colocated-tp8" in out and "refused" in out and "num_kv_heads" in out
+    assert "colocated-tp8: colocated tp=8 (8 chips, charged 8 units)" in out  # KV heads repeated
     assert not (tmp_path / "tune").exists()
+    # a model no TP above 1 can split: every such candidate is refused by the model check
+    assert main(["tune", "topology=1p1d_v6e8", "tune.dry_run=true", "model.num_kv_heads=3",
+                 "model.num_heads=12", "model.intermediate_size=384"]) == 0
+    out = capsys.readouterr().out
+    assert "colocated-tp8: colocated tp=8 (8 chips) refused: topology.colocated.mesh.tp=8: " \
+        "tensor parallelism tp=8 needs model.num_kv_heads % tp == 0" in out
+    assert "dp8-tp1: 8x colocated tp=1 behind the router (8 chips, charged 8 units)" in out
 
 
 @pytest.mark.parametrize(("override", "key"), [

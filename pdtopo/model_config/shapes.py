@@ -1,5 +1,11 @@
 """The parameter tree of a Llama-family decoder as shapes, and whether it splits over tp.
 
+`kv_replication(cfg, tp)`: a model with fewer KV heads than `tp` devices (large-TP serving of
+a GQA model) serves with every KV head repeated `tp // num_kv_heads` times, so each device holds
+one; `serving_config(cfg, tp)` is the config the engine then runs (`num_kv_heads` = tp). Query
+head h reads KV head h // (num_heads / kv): repeating KV head k to k*r .. k*r + r - 1 keeps
+that mapping, so the math is unchanged.
+
 Pure (no JAX): the loader and the launcher's pre-flight check a checkpoint against these shapes,
 `llama.py` builds the arrays, shardings and forward pass on the same tree. Weights are stored
 `[in, out]`; the optional leaves follow the config's switches (q/k/v and o biases, Qwen3's
@@ -8,6 +14,7 @@ per-head q/k norms).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pdtopo.model_config.spec import ModelConfig
@@ -49,13 +56,35 @@ def param_shapes(cfg: ModelConfig) -> Params:
     return shapes
 
 
+def kv_replication(cfg: ModelConfig, tp: int) -> int:
+    """How many times each KV head is repeated to split the KV heads over `tp` devices: 1 when
+    tp divides them, tp // num_kv_heads when the heads are fewer and divide tp."""
+    kv = cfg.num_kv_heads
+    if kv % tp == 0:
+        return 1
+    if kv < tp and tp % kv == 0:
+        return tp // kv
+    raise ValueError(
+        f"tensor parallelism tp={tp} needs model.num_kv_heads % tp == 0 (each device holds "
+        f"whole KV heads) or tp % model.num_kv_heads == 0 (each KV head repeated on "
+        f"tp / num_kv_heads devices), but model.num_kv_heads={kv} ({cfg.name}); choose a tp "
+        f"that divides {kv} or a multiple of it")
+
+
+def serving_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config the engine runs on `tp` devices (KV heads repeated where they are fewer)."""
+    r = kv_replication(cfg, tp)
+    return cfg if r == 1 else replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
+
+
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Raise a clear error when the model cannot be split over `tp` devices."""
-    for key, value in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
+    kv_replication(cfg, tp)
+    for key, value in (("num_heads", cfg.num_heads),
                        ("intermediate_size", cfg.intermediate_size)):
         if value % tp:
             raise ValueError(
                 f"tensor parallelism tp={tp} needs model.{key} % tp == 0, but "
-                f"model.{key}={value} ({cfg.name}): KV heads, attention heads and the MLP are "
+                f"model.{key}={value} ({cfg.name}): attention heads and the MLP are "
                 f"split across the tp devices; choose a tp that divides {value}"
             )

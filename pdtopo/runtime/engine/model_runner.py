@@ -75,12 +75,15 @@ class ModelRunner:
 
     def __init__(self, model_cfg: DictConfig, engine: EngineSettings | DictConfig, mesh: Mesh):
         engine = engine_settings(engine)  # a config node is typed and checked here
-        self.config: ModelConfig = model_config_from_cfg(model_cfg)
+        # the checkpoint's config; `config` is what runs (KV heads repeated when fewer than tp)
+        self.model_config: ModelConfig = model_config_from_cfg(model_cfg)
         self.mesh = mesh
         if "tp" not in mesh.shape:
             raise ValueError(f"mesh axes {tuple(mesh.shape)} lack the 'tp' axis (build_mesh)")
         self.tp = int(mesh.shape["tp"])
-        llama.check_tp(self.config, self.tp)
+        llama.check_tp(self.model_config, self.tp)
+        self.kv_replication = llama.kv_replication(self.model_config, self.tp)
+        self.config: ModelConfig = llama.serving_config(self.model_config, self.tp)
         self.dtype = llama.resolve_dtype(engine.dtype)
         self.kv_dtype = llama.resolve_dtype(engine.kv_dtype, "engine.kv_dtype")
         self.page_size = engine.page_size
@@ -110,16 +113,19 @@ class ModelRunner:
             for layout in LAYOUTS}
         self._shapes: set[tuple] = set()
         self._lock = threading.Lock()  # forward is single-owner; the lock guards misuse
-        log.info("ModelRunner: %s tp=%d dtype=%s kv_dtype=%s pages=%d x %d attention=%s",
+        log.info("ModelRunner: %s tp=%d dtype=%s kv_dtype=%s pages=%d x %d attention=%s%s",
                  self.config.name, self.tp, self.dtype, self.kv_dtype, self.num_pages,
-                 self.page_size, self.attention_impl)
+                 self.page_size, self.attention_impl,
+                 f" (each of {self.model_config.num_kv_heads} KV heads on "
+                 f"{self.kv_replication} devices)" if self.kv_replication > 1 else "")
 
     # ------------------------------------------------------------------ setup
 
     def _load_params(self) -> llama.Params:
-        if self.config.path:
-            return load_params(self.config, self.mesh, self.dtype)
-        host = llama.init_params_numpy(self.config)
+        if self.model_config.path:
+            return load_params(self.model_config, self.mesh, self.dtype)
+        host = llama.replicate_kv_heads(llama.init_params_numpy(self.model_config),
+                                        self.model_config, self.kv_replication)
         return llama.place_params(host, self.config, self.mesh, self.dtype)
 
     def page_bytes_per_device(self) -> int:

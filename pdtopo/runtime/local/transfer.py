@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from pdtopo.kernels.kv_heads import convert_heads
 from pdtopo.runtime.local.board import DecodeLoad
 from pdtopo.runtime.local.threads import FaultInjector
 
@@ -99,8 +100,10 @@ class TransferWorker:
         i = self.load.pick_and_acquire()
         engine = self.decodes[i]
         t0 = time.perf_counter()
-        item.packed = jax.block_until_ready(jax.device_put(item.packed,
-                                                           engine.runner.kv_sharding))
+        runner = engine.runner  # its KV heads may be repeated differently from prefill's
+        packed = convert_heads(item.packed, runner.model_config.num_kv_heads,
+                               runner.config.num_kv_heads)
+        item.packed = jax.block_until_ready(jax.device_put(packed, runner.kv_sharding))
         item.target = i
         self.stats.add(time.perf_counter() - t0, sum(int(a.nbytes) for a in item.packed),
                        int(item.packed[0].shape[0]))

@@ -20,7 +20,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pdtopo.model_config.shapes import check_tp, layer_param_shapes, param_shapes  # noqa: F401
+from pdtopo.model_config.shapes import (  # noqa: F401
+    check_tp,
+    kv_replication,
+    layer_param_shapes,
+    param_shapes,
+    serving_config,
+)
 from pdtopo.model_config.spec import ModelConfig
 
 Params = dict[str, Any]
@@ -92,6 +98,23 @@ def init_params_numpy(cfg: ModelConfig, seed: int | None = None) -> Params:
     if "lm_head" in shapes:
         params["lm_head"] = leaf("lm_head", shapes["lm_head"])
     return params
+
+
+def replicate_kv_heads(params: Params, cfg: ModelConfig, r: int) -> Params:
+    """Host parameters of `cfg` with every KV head repeated `r` times (k/v projections and
+    biases; per-dim k norms are shared), for `serving_config(cfg, tp)`. r == 1: unchanged."""
+    if r == 1:
+        return params
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+
+    def repeat(a: np.ndarray) -> np.ndarray:
+        a = np.asarray(a)
+        lead = a.shape[:-1]
+        return np.repeat(a.reshape(*lead, kv, d), r, axis=-2).reshape(*lead, kv * r * d)
+
+    layers = [{k: repeat(v) if k in ("wk", "wv", "bk", "bv") else v for k, v in lp.items()}
+              for lp in params["layers"]]
+    return {**params, "layers": layers}
 
 
 def place_params(params: Params, cfg: ModelConfig, mesh: Mesh, dtype: Any) -> Params:

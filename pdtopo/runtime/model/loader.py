@@ -45,8 +45,10 @@ def load_host_params(cfg: ModelConfig, directory: str | Path | None = None) -> l
 
 
 def load_params(cfg: ModelConfig, mesh: Mesh, dtype: Any) -> llama.Params:
-    """Read the checkpoint of `cfg.path` and place it on `mesh` (tensor-parallel shardings)."""
-    host = load_host_params(cfg)
-    shardings = llama.param_shardings(cfg, mesh)
+    """Read the checkpoint of `cfg.path` and place it on `mesh` (tensor-parallel shardings;
+    KV heads repeated where the mesh has more tp devices than the model has KV heads)."""
+    tp = int(mesh.shape["tp"])
+    host = llama.replicate_kv_heads(load_host_params(cfg), cfg, llama.kv_replication(cfg, tp))
+    shardings = llama.param_shardings(llama.serving_config(cfg, tp), mesh)
     return jax.tree.map(lambda a, s: jax.device_put(np.asarray(a).astype(dtype), s),
                         host, shardings)
