@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=4)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=8)
+    ap.add_argument("--model-kv-heads", type=int, default=0,
+                    help="the model's KV heads (default --heads); fewer: each is repeated "
+                         "heads / model_kv_heads times in the pool, as replication does")
     ap.add_argument("--kv-timeout", type=float, default=30)
     ap.add_argument("--expiry", type=float, default=60)
     ap.add_argument("--sockets", type=int, default=2)
@@ -155,13 +158,23 @@ def main() -> None:
     sharding = NamedSharding(mesh, PartitionSpec(None, None, "tp", None))
     shape = (args.num_pages, args.page_size, args.heads, args.head_dim)
     n_entries = 2 * args.layers
+    model_heads = args.model_kv_heads or args.heads
+    rep = args.heads // model_heads
     if args.role == "prefill":
-        host = [fill_values(shape, e) for e in range(n_entries)]
+        base = (args.num_pages, args.page_size, model_heads, args.head_dim)
+        host = [np.repeat(fill_values(base, e), rep, axis=2) for e in range(n_entries)]
     else:
         host = [np.zeros(shape, np.float32) for _ in range(n_entries)]
 
     class Runner:
         kv_caches = [jax.device_put(h, sharding) for h in host]
+
+        @staticmethod
+        def kv_layout() -> dict:
+            return {"num_entries": n_entries, "page_size": args.page_size,
+                    "kv_heads": args.heads, "model_kv_heads": model_heads,
+                    "head_dim": args.head_dim, "dtype": "float32", "tp": args.tp,
+                    "num_processes": 1, "shard_processes": [0] * args.tp}
 
     runner = Runner()
     engine = JaxTransferKVEngine("127.0.0.1", args.transfer_port, transfer_sockets=args.sockets,
@@ -238,6 +251,8 @@ def main() -> None:
                     if o is not None and getattr(o, "ready_info", None) is not None:
                         res["first_token"] = o.ready_info.first_token
                         res["prompt_len"] = o.ready_info.prompt_len
+                    if o is not None and hasattr(o, "pulled_bytes"):
+                        res["pulled_bytes"] = o.pulled_bytes
                 elif cmd == "wait":
                     waiters.append((c["room"], now + c["wait_s"], now, cid))
                     continue

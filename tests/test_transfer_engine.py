@@ -225,9 +225,26 @@ def test_manager_flow_want_first(managers):
     assert P.num_registered() == 0 and P.num_active() == (0, 0) and D.num_active() == (0, 0)
 
 
+def test_late_want_from_another_layout_is_cut_again(managers):
+    """P (tp=2) registered before D's want said D is one device: P cuts D's piece from its
+    registration and D gets the right pages."""
+    P = managers("prefill", pool(2, True))
+    D = managers("decode", pool(1, False))
+    sender = P.create_sender(1)
+    sender.send([1, 2])
+    uuid_before = sender.ready_msg.transfer_uuid
+    recv = D.create_receiver(1, P.channel.address)
+    recv.init([3, 4])
+    drive(sender, recv, until=done)
+    assert recv.poll() == sender.poll() == KVPoll.Success, recv.failure_exception()
+    assert sender.ready_msg.transfer_uuid != uuid_before
+    want = np.asarray(P.runner.kv_caches[1])[[1, 2]]
+    np.testing.assert_array_equal(np.asarray(D.runner.kv_caches[1])[[3, 4]], want)
+
+
 def test_manager_mismatch_fails_both_sides(managers):
     P = managers("prefill", pool(2, True))
-    D = managers("decode", pool(1, False))          # D's pool is not sharded like P's
+    D = managers("decode", pool(2, False, dtype=np.int32))  # D's pool holds other values
     sender = P.create_sender(1)
     sender.send([1, 2])
     recv = D.create_receiver(1, P.channel.address)
@@ -235,8 +252,8 @@ def test_manager_mismatch_fails_both_sides(managers):
     drive(sender, recv, until=done)
     assert recv.poll() == sender.poll() == KVPoll.Failed
     assert isinstance(recv.failure_exception(), SpecMismatchError)
-    assert "sharding" in str(recv.failure_exception())
-    assert "sharding" in str(sender.failure_exception())   # D told P why
+    assert "dtype" in str(recv.failure_exception())
+    assert "dtype" in str(sender.failure_exception())   # D told P why
     assert P.num_registered() == 0
     # page count mismatch
     P2 = managers("prefill", pool(1, True))

@@ -80,7 +80,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
     def warmup(self) -> None:
         """The sampler (Scheduler.warmup), then the KV scatter for every page count."""
         super().warmup()
-        self.kv_manager.warmup_kernels("decode", self.runner.max_pages_per_seq)
+        self.kv_manager.warmup_kernels("decode", self.runner.max_pages_per_seq,
+                                       self.peer_layouts("prefill"))
 
     # ------------------------------------------------------------------ loop
     def step(self) -> None:

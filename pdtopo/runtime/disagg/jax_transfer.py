@@ -64,10 +64,13 @@ from pdtopo.runtime.disagg.base import (
     KVRunner,
     KVTransferError,
     PackedMeta,
+    PoolTransferSpec,
+    SpecMismatchError,
     check_packed_meta,
 )
 from pdtopo.runtime.disagg.curve import deployment_keys, side_channel_curve
 from pdtopo.runtime.disagg.kvpoll import KVPoll, KVPollState
+from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces, same_layout
 from pdtopo.runtime.disagg.side_channel import Peer, SideChannel, SideChannelEvent
 from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
 
@@ -90,6 +93,17 @@ def _make_default_scatter(impl: str) -> ScatterFn:
         return insert_kv_chunks(kv_caches, packed, page_ids, impl=impl)
 
     return scatter
+
+
+def _pool_layout(spec: PoolTransferSpec) -> KVShardLayout:
+    """The layout of a pool from its spec alone (heads split evenly over its devices, one
+    process): what a runner without `kv_layout()` gets."""
+    shards = 1
+    if spec.sharding is not None:
+        shards = int(getattr(spec.sharding, "num_devices", len(spec.sharding.device_set)))
+    heads = int(spec.shape[2])
+    return KVShardLayout(model_kv_heads=heads, pool_heads=heads, shards=shards,
+                         shard_processes=(0,) * shards)
 
 
 def _check_endpoint(addr: str, what: str) -> str:
@@ -139,6 +153,8 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
         self.failure_msg: m.Failed | None = None
         self.peer_cached_pages = 0             # D's prefix-cache claim (from its `want`)
         self.peer_prefix_hash: str | None = None
+        self.peer_layout: KVShardLayout | None = None  # D's KV shard layout (its `want`)
+        self.sent_for: KVShardLayout | None = None     # the layout the registration is cut for
         self.times: dict[str, float] = {}      # stage -> time.monotonic() (pd_metrics)
 
     def send(self, kv_indices: Sequence[int], *, prompt_len: int | None = None,
@@ -152,9 +168,10 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
         if self.ready_msg is not None:
             raise KVTransferError(f"room {self.room}: send() called twice")
         try:
+            self.sent_for = self.peer_layout or self.mgr.layout
             self.ready_msg = self.mgr._register(self.room, list(kv_indices), prompt_len,
                                                 first_token, first_logprob, cached_tokens,
-                                                skip_pages, p_stages or {})
+                                                skip_pages, p_stages or {}, self.sent_for)
         except Exception as e:
             err = e if isinstance(e, KVTransferError) else KVTransferError(
                 f"room {self.room}: preparing KV for transfer failed: {e}", status=500)
@@ -179,6 +196,24 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
         self.peer = peer
         if want is not None and self.ready_msg is None:
             self.peer_cached_pages, self.peer_prefix_hash = want.cached_pages, want.prefix_hash
+            if want.layout is not None:
+                self.peer_layout = KVShardLayout.from_dict(want.layout)
+        elif want is not None and want.layout is not None and self.sent_for is not None and \
+                not self._state.state.terminal and \
+                not same_layout(self.sent_for, KVShardLayout.from_dict(want.layout)):
+            # registered (for P's own layout) before D said it is laid out otherwise: cut
+            # D's pieces from that registration and register them instead
+            layout = KVShardLayout.from_dict(want.layout)
+            try:
+                self.ready_msg = self.mgr._recut(self.room, self.ready_msg, self.sent_for,
+                                                 layout)
+                self.sent_for = layout
+            except Exception as e:
+                err = e if isinstance(e, KVTransferError) else KVTransferError(
+                    f"room {self.room}: cutting KV for D's layout failed: {e}", status=500)
+                self._fail(err, notify=False)
+                self.mgr.channel.send(peer, self.failure_msg)
+                return
         st = self._state.state
         if st == KVPoll.Bootstrapping:
             self._state.advance(KVPoll.WaitingForInput)
@@ -232,9 +267,11 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
         self.pulled_bytes = 0
         self._drop = 0                           # leading pulled pages D already holds
         self.times: dict[str, float] = {}        # stage -> time.monotonic() (pd_metrics)
+        self._reshard: tuple[Any, KVShardLayout] | None = None  # (pieces, P's layout)
         self.peer = mgr.channel.send_to(self.bootstrap_addr, m.Want(
             room=room, cached_pages=self.cached_pages,
-            prefix_hash=prefix_hash if self.cached_pages else None))
+            prefix_hash=prefix_hash if self.cached_pages else None,
+            layout=mgr.layout.to_dict()))
 
     def init(self, kv_indices: Sequence[int]) -> None:
         """Give the pages preallocated for this room's KV (in the order P sends them): every
@@ -287,7 +324,14 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                     f"room {self.room}: P sends {announced[0].page_count} pages, D preallocated "
                     f"{len(pages)} (after the {self.cached_pages} it holds; P skipped "
                     f"{msg.skip_pages})", status=500)
-            check_packed_meta(announced[0], main.packed_meta(count))
+            p_layout = self.mgr.layout if msg.layout is None else \
+                KVShardLayout.from_dict(msg.layout)
+            if same_layout(p_layout, self.mgr.layout):
+                check_packed_meta(announced[0], main.packed_meta(count))
+                specs = main.packed_specs(count)
+            else:
+                specs = self.mgr._reshard_specs(announced[0], p_layout, count, self.room)
+                self._reshard = (plan_pieces(p_layout, self.mgr.layout), p_layout)
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 raise KVTransferError(f"room {self.room}: KV deadline passed before the pull",
@@ -295,8 +339,7 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
             self._drop = extra
             self.pulled_pages = count
             self.times["pull_start"] = time.monotonic()
-            self._future = self.mgr._pull(msg, main.packed_specs(count), remaining,
-                                          room=self.room)
+            self._future = self.mgr._pull(msg, specs, remaining, room=self.room)
             if hasattr(self._future, "add_done_callback"):  # the pull thread's own end time
                 self._future.add_done_callback(self._pulled)
         except KVTransferError as e:
@@ -321,6 +364,8 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
             try:
                 packed = self._future.result()
                 self.pulled_bytes = sum(int(a.nbytes) for a in packed)
+                if self._reshard is not None:
+                    packed = self.mgr._assemble(packed, self._reshard[0])
                 self.mgr._scatter(packed, self.page_ids, room=self.room, skip=self._drop)
             except Exception as e:
                 self._fail(KVTransferError(f"room {self.room}: inserting the pulled KV into "
@@ -366,6 +411,7 @@ class JaxTransferKVManager(BaseKVManager):
         self.gather_fn = gather_fn or _default_gather
         self.scatter_fn = scatter_fn or _make_default_scatter(kernels_impl)
         self.runner: KVRunner | None = None
+        self.layout = _pool_layout(args.main)  # this pool's KV shard layout (register_runner)
         self.mirror: Any = None  # replays pool operations on the instance's other processes
         self._owns_transport = owns_transport
         self._senders: dict[int, JaxTransferKVSender] = {}
@@ -413,13 +459,19 @@ class JaxTransferKVManager(BaseKVManager):
             raise TypeError("register_runner: the runner must have a kv_caches attribute")
         self.runner = runner
         self.mirror = getattr(runner, "kv_mirror", None)
+        kv_layout = getattr(runner, "kv_layout", None)
+        if callable(kv_layout):
+            self.layout = KVShardLayout.from_dict(kv_layout())
 
-    def warmup_kernels(self, role: str, max_pages: int) -> int:
+    def warmup_kernels(self, role: str, max_pages: int,
+                       peer_layouts: Sequence[KVShardLayout] = ()) -> int:
         """Compile the pool gather (P) or scatter (D) for every page count a request can have,
-        so serving never compiles them (each new count costs ~30 ms, a new bucket ~100 ms).
-        Call before serving, while every pool page is free: P reads pages 1..n, D writes zeros
-        over the zeros there. Skipped on a multi-process instance (its other processes would
-        have to run the same programs in lockstep). Returns the page counts warmed."""
+        so serving never compiles them (each new count costs ~30 ms, a new bucket ~100 ms),
+        and the reshard cuts (P) or joins (D) for every peer layout in `peer_layouts` unlike
+        this pool's. Call before serving, while every pool page is free: P reads pages 1..n,
+        D writes zeros over the zeros there. Skipped on a multi-process instance (its other
+        processes would have to run the same programs in lockstep). Returns the page counts
+        warmed."""
         import jax  # deferred: the disaggregation modules stay importable without JAX
 
         if self.runner is None or self.mirror is not None:
@@ -435,6 +487,16 @@ class JaxTransferKVManager(BaseKVManager):
                          for s in spec.packed_specs(n)]
                 self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, zeros, pages)
                 jax.block_until_ready(self.runner.kv_caches)
+        others = [p for p in dict.fromkeys(peer_layouts) if not same_layout(p, self.layout)]
+        if others:
+            from pdtopo.runtime.disagg.reshard_arrays import warm  # deferred: JAX
+
+            if role == "prefill":
+                warm(role, counts, spec, self.layout, others,
+                     lambda d: plan_pieces(self.layout, d))
+            else:
+                warm(role, counts, spec, self.layout, others,
+                     lambda p: plan_pieces(p, self.layout))
         return len(counts)
 
     def create_sender(self, room: int) -> JaxTransferKVSender:
@@ -542,7 +604,8 @@ class JaxTransferKVManager(BaseKVManager):
     def _register(self, room: int, page_ids: list[int], prompt_len: int | None,
                   first_token: int | None, first_logprob: float | None,
                   cached_tokens: int = 0, skip_pages: int = 0,
-                  p_stages: dict[str, float] | None = None) -> m.Ready:
+                  p_stages: dict[str, float] | None = None,
+                  peer_layout: KVShardLayout | None = None) -> m.Ready:
         if self.runner is None:
             raise KVTransferError(f"room {room}: no runner registered (call register_runner)",
                                   status=500)
@@ -551,15 +614,82 @@ class JaxTransferKVManager(BaseKVManager):
         uuid = self.engine.new_uuid()
         if self.mirror is not None:  # the other processes gather + register their shards too
             self.mirror.register(room, page_ids, uuid, self.sender_expiry_s)
+        target = peer_layout or self.layout
+        if not same_layout(self.layout, target) and self.mirror is not None:
+            raise KVTransferError(f"room {room}: D is laid out {target.to_dict()}, this "
+                                  "multi-process P cannot reshard for it", status=500)
         packed = self.gather_fn(self.runner.kv_caches, page_ids)
         meta = PackedMeta.from_arrays(packed, name=self.args.main.name)
-        uuid, deadline = self.engine.register(room, packed, self.sender_expiry_s, uuid=uuid)
+        arrays = packed
+        if not same_layout(self.layout, target):
+            from pdtopo.runtime.disagg.reshard_arrays import cut_pieces  # deferred: JAX
+
+            arrays = cut_pieces(packed, self.layout, plan_pieces(self.layout, target))
+        uuid, deadline = self.engine.register(room, arrays, self.sender_expiry_s, uuid=uuid)
         return m.Ready(room=room, transfer_addr=self.engine.address, transfer_uuid=uuid,
                        expires_at=deadline, pools=(meta,),
                        prompt_len=int(prompt_len if prompt_len is not None else 0),
                        first_token=first_token, first_logprob=first_logprob,
                        cached_tokens=int(cached_tokens), skip_pages=int(skip_pages),
-                       p_stages=dict(p_stages or {}))
+                       p_stages=dict(p_stages or {}), layout=self.layout.to_dict())
+
+    def _recut(self, room: int, ready: m.Ready, sent_for: KVShardLayout,
+               target: KVShardLayout) -> m.Ready:
+        """P: the room's KV was registered for `sent_for` before D's want said D is laid out
+        `target`: register `target`'s pieces of it under a new uuid. The first registration
+        stays in the transfer server until it expires (sender_expiry_s): P waits for D's
+        layout when its plan has decode instances laid out otherwise, so this is rare."""
+        from pdtopo.runtime.disagg.reshard_arrays import cut_pieces  # deferred: JAX
+
+        if self.mirror is not None or not same_layout(sent_for, self.layout):
+            raise KVTransferError(f"room {room}: D is laid out {target.to_dict()}; P "
+                                  "registered the KV before D said so and cannot cut it again",
+                                  status=500)
+        packed = self.engine.registered_arrays(room)
+        if packed is None:
+            raise KVTransferError(f"room {room}: P's registration of this KV is gone "
+                                  "(expired)", status=504)
+        arrays = cut_pieces(packed, self.layout, plan_pieces(self.layout, target))
+        self.engine.release(room)
+        uuid, deadline = self.engine.register(room, arrays, self.sender_expiry_s)
+        log.warning("room %s: D's want came after P registered the KV; registered D's layout "
+                    "%s again (the first registration waits for its expiry)", room,
+                    target.to_dict())
+        return replace(ready, transfer_uuid=uuid, expires_at=deadline)
+
+    def _reshard_specs(self, announced: PackedMeta, p_layout: KVShardLayout, count: int,
+                       room: int) -> list[Any]:
+        """D: what to pull from a P laid out `p_layout` (checked against this pool first)."""
+        from pdtopo.runtime.disagg.reshard_arrays import piece_specs  # deferred: JAX
+
+        main = self.args.main
+        if self.mirror is not None:
+            raise KVTransferError(f"room {room}: P is laid out {p_layout.to_dict()}, this "
+                                  "multi-process D cannot reshard from it", status=500)
+        expected = main.packed_meta(count)
+        shape, want = announced.shape, expected.shape
+        problems = [f"{f}={getattr(announced, f)!r} (this D: {getattr(expected, f)!r})"
+                    for f in ("name", "pool_type", "dtype", "num_entries")
+                    if getattr(announced, f) != getattr(expected, f)]
+        if len(shape) != 4 or (shape[0], shape[1], shape[3]) != (want[0], want[1], want[3]):
+            problems.append(f"shape={shape} (this D: {want}; heads may differ)")
+        elif shape[2] != p_layout.pool_heads:
+            problems.append(f"{shape[2]} heads for a layout of {p_layout.pool_heads}")
+        if problems:
+            raise SpecMismatchError(f"pool {main.name!r}: P announced " + ", ".join(problems)
+                                    + "; refusing to pull (would be wrong data)", status=500)
+        try:
+            pieces = plan_pieces(p_layout, self.layout)
+        except ValueError as exc:
+            raise KVTransferError(f"room {room}: {exc}", status=500) from None
+        return piece_specs(count, main.page_size, main.shape[3], main.dtype, main.num_entries,
+                           pieces, main.sharding, self.layout)
+
+    def _assemble(self, pulled: list[Any], pieces: Any) -> list[Any]:
+        from pdtopo.runtime.disagg.reshard_arrays import assemble  # deferred: JAX
+
+        main = self.args.main
+        return assemble(pulled, pieces, self.layout, main.sharding, main.num_entries)
 
     def _pull(self, msg: m.Ready, specs: list[Any], timeout_s: float, *, room: int) -> Any:
         """Start D's pull of `msg`'s KV; a Future of the pulled packed arrays."""

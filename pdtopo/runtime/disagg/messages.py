@@ -7,13 +7,15 @@ Every message is one JSON object, UTF-8, at most `max_bytes` long, with a protoc
 |--------|-----------|------------------------------------------------------------------------|
 | want   | D -> P    | room; D says it waits for this room's KV (P learns D's identity);      |
 |        |           | cached_pages, prefix_hash (optional: D holds the prompt's first       |
-|        |           | cached_pages pages already; prefix_digest of their token ids)          |
+|        |           | cached_pages pages already; prefix_digest of their token ids),         |
+|        |           | layout (optional: D's KV shard layout, reshard.KVShardLayout dict)     |
 | ready  | P -> D    | room, transfer_addr, transfer_uuid, expires_at (unix s), pools (list   |
 |        |           | of PackedMeta dicts: shape, dtype, page_count, page_size, sharding,    |
 |        |           | num_entries), first_token, first_logprob (optional), prompt_len,      |
 |        |           | cached_tokens (optional: prompt tokens P took from its prefix cache),  |
 |        |           | skip_pages (optional: leading prompt pages not sent: D holds them),    |
-|        |           | p_stages (optional: {queue, prefill, send} seconds on P's clock)       |
+|        |           | p_stages (optional: {queue, prefill, send} seconds on P's clock),      |
+|        |           | layout (optional: P's KV shard layout; absent = D's own)               |
 | done   | D -> P    | room, ok (bool), reason (optional)                                     |
 | failed | both      | room, reason (str), status (optional HTTP status int)                  |
 
@@ -31,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdtopo.runtime.disagg.base import PackedMeta
+from pdtopo.runtime.disagg.reshard import KVShardLayout
 
 PROTOCOL_VERSION = 1
 MAX_ROOM = 2**64 - 1
@@ -58,6 +61,7 @@ class Want:
     room: int
     cached_pages: int = 0
     prefix_hash: str | None = None
+    layout: dict[str, Any] | None = None  # D's KV shard layout (reshard.KVShardLayout)
     type: str = field(default="want", init=False)
 
 
@@ -75,6 +79,7 @@ class Ready:
     skip_pages: int = 0
     # P's stages of this request in seconds, each measured on P's clock (P_STAGES)
     p_stages: dict[str, float] = field(default_factory=dict)
+    layout: dict[str, Any] | None = None  # P's KV shard layout; None: the same as D's
     type: str = field(default="ready", init=False)
 
 
@@ -141,6 +146,19 @@ def _pool(d: Any, i: int) -> PackedMeta:
     return meta
 
 
+def _layout(d: dict[str, Any], mtype: str) -> dict[str, Any] | None:
+    raw = _get(d, "layout", (dict,), optional=True, mtype=mtype)
+    if raw is None:
+        return None
+    try:
+        layout = KVShardLayout.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise MessageError(f"{mtype} message: layout is malformed ({e!r})") from None
+    if layout.shards > 4096 or layout.pool_heads > 65536:
+        raise MessageError(f"{mtype} message: layout is out of range ({raw})")
+    return layout.to_dict()
+
+
 def from_dict(d: Any) -> Message:
     if not isinstance(d, dict):
         raise MessageError(f"message must be a JSON object, got {type(d).__name__}")
@@ -161,7 +179,8 @@ def from_dict(d: Any) -> Message:
             raise MessageError(f"want message: cached_pages must be >= 0, got {cached}")
         if cached and (digest is None or len(digest) != 32):
             raise MessageError("want message: cached_pages > 0 needs a 32-character prefix_hash")
-        return Want(room=room, cached_pages=cached, prefix_hash=digest if cached else None)
+        return Want(room=room, cached_pages=cached, prefix_hash=digest if cached else None,
+                    layout=_layout(d, mtype))
     if mtype == "done":
         return Done(room=room, ok=_get(d, "ok", (bool,), mtype=mtype),
                     reason=_get(d, "reason", (str,), optional=True, mtype=mtype))
@@ -202,7 +221,7 @@ def from_dict(d: Any) -> Message:
                  first_token=_get(d, "first_token", (int,), optional=True, mtype=mtype),
                  first_logprob=None if logprob is None else float(logprob),
                  cached_tokens=cached, skip_pages=skip,
-                 p_stages={k: float(v) for k, v in stages.items()})
+                 p_stages={k: float(v) for k, v in stages.items()}, layout=_layout(d, mtype))
 
 
 def decode(raw: bytes, max_bytes: int) -> Message:

@@ -13,11 +13,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pdtopo.model_config.shapes import kv_replication
 from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
 from pdtopo.runtime.disagg.base import KVArgs, PoolTransferSpec
 from pdtopo.runtime.disagg.jax_transfer import JaxTransferKVManager
 from pdtopo.runtime.disagg.pd_metrics import PDMetrics
+from pdtopo.runtime.disagg.reshard import (
+    KVShardLayout,
+    instance_layouts,
+    layout_problems,
+    same_layout,
+)
 
 log = logging.getLogger("pdtopo.disagg")
 
@@ -39,12 +46,19 @@ def compatibility_problems(mine: dict[str, Any], peer: dict[str, Any]) -> list[s
     for key in ("page_size", "kv_dtype", "model"):
         if mine.get(key) != peer.get(key):
             problems.append(f"{key}: this server has {mine.get(key)!r}, peer has {peer.get(key)!r}")
-    mine_layout, peer_layout = mine.get("kv_layout") or {}, peer.get("kv_layout") or {}
-    for key in sorted(set(mine_layout) | set(peer_layout)):
-        if mine_layout.get(key) != peer_layout.get(key):
-            problems.append(f"kv_layout.{key}: this server has {mine_layout.get(key)!r}, "
-                            f"peer has {peer_layout.get(key)!r}")
+    problems += layout_problems(mine.get("kv_layout") or {}, peer.get("kv_layout") or {})
     return problems
+
+
+def _or_none(fn):
+    """`fn`, answering None where it raises ValueError (a tp the model cannot split for: that
+    instance refuses to start on its own)."""
+    def wrapped(*args):
+        try:
+            return fn(*args)
+        except ValueError:
+            return None
+    return wrapped
 
 
 class DisaggregationMixinBase:
@@ -81,6 +95,22 @@ class DisaggregationMixinBase:
             kv_layout={k: (list(v) if isinstance(v, tuple) else v) for k, v in layout.items()},
             mesh_meta={"tp": int(ctx.process.get("mesh", {}).get("tp", 1))},
         )
+
+    def peer_layouts(self, role: str) -> list[KVShardLayout]:
+        """The KV shard layouts of the plan's `role` instances that differ from this pool's
+        (those a transfer reshards for): from their mesh tp and process count."""
+        mine = self.kv_manager.layout
+        model = self.runner.model_config
+
+        def pool_heads(tp: int) -> int:
+            return model.num_kv_heads * kv_replication(model, tp)
+
+        out = []
+        for layout in instance_layouts(self.ctx.plan.get("processes", []), role,
+                                       model.num_kv_heads, _or_none(pool_heads)).values():
+            if layout is not None and not same_layout(layout, mine) and layout not in out:
+                out.append(layout)
+        return out
 
     @property
     def registration_info(self) -> dict[str, Any]:

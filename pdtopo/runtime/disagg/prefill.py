@@ -47,7 +47,13 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         self._senders: dict[str, Any] = {}     # rid -> sender, until the request finishes
         self._inflight: list[Any] = []         # senders whose KV awaits D's pull
         self.num_skipped_pages = 0             # prompt pages not sent: D's cache held them
-        self.waits_for_decode_claim = bool(self.ctx.settings.disaggregation.decode_prefix_cache)
+        # wait for D's `want` before registering the KV (holding the pages meanwhile) when it
+        # says something the registration depends on: which pages D's prefix cache holds, or
+        # D's KV layout where the plan has decode instances laid out unlike this one (their
+        # pieces are cut for that layout, reshard.py)
+        self.decode_layouts = self.peer_layouts("decode")
+        self.waits_for_decode_claim = bool(
+            self.ctx.settings.disaggregation.decode_prefix_cache or self.decode_layouts)
         self._awaiting_want: dict[str, float] = {}  # rid -> deadline: prefilled, before want
 
     def warmup(self) -> None:
@@ -72,7 +78,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             self.sampler.sample(rows, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
             self.sampler.sample(rows, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
             n *= 2
-        self.kv_manager.warmup_kernels("prefill", self.runner.max_pages_per_seq)
+        self.kv_manager.warmup_kernels("prefill", self.runner.max_pages_per_seq,
+                                       self.decode_layouts)
 
     # ------------------------------------------------------------------ loop
     def step(self) -> None:
@@ -167,8 +174,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         req.output_ids.append(int(next_token))
         sender.times["prefill_done"] = time.monotonic()
         if self.waits_for_decode_claim and sender.peer is None:
-            # D keeps a prefix cache: its `want` says which pages it holds, so wait for it
-            # (holding the pages) rather than send pages D has; bounded by kv_timeout_s
+            # D's `want` says which pages it holds or how it is laid out: wait for it (holding
+            # the pages) rather than send pages D has or cut for the wrong layout; bounded by
+            # kv_timeout_s
             req.status = ReqStatus.HELD
             self._awaiting_want[req.rid] = time.monotonic() + self.kv_manager.kv_timeout_s
             return

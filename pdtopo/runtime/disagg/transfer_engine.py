@@ -207,6 +207,12 @@ class JaxTransferKVEngine:
         with self._lock:
             return self._rooms.pop(room, None) is not None
 
+    def registered_arrays(self, room: int) -> list[Any] | None:
+        """The arrays registered for `room` (None when it holds none)."""
+        with self._lock:
+            reg = self._rooms.get(room)
+            return None if reg is None else list(reg.arrays)
+
     def num_registered(self) -> int:
         with self._lock:
             return len(self._rooms)

@@ -165,17 +165,22 @@ class ModelRunner:
     def kv_layout(self) -> dict[str, Any]:
         """What P and D must agree on to exchange KV pages (compared key by key)."""
         cfg = self.config
+        order = [int(d.process_index) for d in self.mesh.devices.flat]
+        procs = sorted(set(order))
         return {
             "num_entries": 2 * cfg.num_layers,
             "page_size": self.page_size,
-            "kv_heads": cfg.num_kv_heads,
+            "kv_heads": cfg.num_kv_heads,              # in the pool (replicas included)
+            "model_kv_heads": self.model_config.num_kv_heads,
             "head_dim": cfg.head_dim,
             "dtype": str(jnp.dtype(self.kv_dtype)),
             "partition_spec": [None, None, "tp", None],
             "tp": self.tp,
-            # processes the mesh spans: D process r pulls from P process r (N:N pairing), so
-            # P and D must be split alike
-            "num_processes": len({int(d.process_index) for d in self.mesh.devices.flat}),
+            # processes the mesh spans, and which one holds each shard along heads: equal
+            # layouts pair D process r with P process r; others are resharded on the way
+            # (pdtopo.runtime.disagg.reshard)
+            "num_processes": len(procs),
+            "shard_processes": [procs.index(p) for p in order],
         }  # num_pages is left out on purpose: P and D pools may differ in size
 
     def compile_count(self) -> int:

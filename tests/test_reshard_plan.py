@@ -1,0 +1,148 @@
+"""The reshard plan (pure): which heads of which P shard fill each D shard, the layout
+checks, the side-channel layout fields, and (in process, 4 emulated devices) that cutting on
+P's layout and assembling on D's equals converting the whole array."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pdtopo.runtime.disagg import messages as m
+from pdtopo.runtime.disagg.reshard import (
+    KVShardLayout,
+    Piece,
+    instance_layouts,
+    layout_problems,
+    moved_heads,
+    plan_pieces,
+    reshard_problems,
+    same_layout,
+)
+from pdtopo.runtime.disagg.reshard_arrays import assemble, cut_pieces
+
+
+def lay(model: int, pool: int, tp: int, procs=None) -> KVShardLayout:
+    return KVShardLayout(model, pool, tp, tuple(procs or [0] * tp))
+
+
+def test_wide_p_to_narrow_d_takes_whole_shards():
+    pieces = plan_pieces(lay(4, 4, 2), lay(4, 4, 1))
+    assert pieces == (Piece(0, 0, 0, 0, 2, 0, 0), Piece(0, 2, 1, 0, 2, 0, 0))
+    assert all(pc.whole_p_shard(lay(4, 4, 2)) for pc in pieces)
+
+
+def test_narrow_p_to_wide_d_slices_one_shard():
+    pieces = plan_pieces(lay(8, 8, 1), lay(8, 8, 4))
+    assert [(pc.d_shard, pc.p_start, pc.heads) for pc in pieces] == \
+        [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2)]
+    assert moved_heads(pieces) == 8  # the KV once
+
+
+def test_p4_to_d2_merges_nothing_across_shards():
+    pieces = plan_pieces(lay(8, 8, 4), lay(8, 8, 2))
+    assert [(pc.d_shard, pc.d_offset, pc.p_shard, pc.heads) for pc in pieces] == \
+        [(0, 0, 0, 2), (0, 2, 1, 2), (1, 0, 2, 2), (1, 2, 3, 2)]
+
+
+def test_replicated_p_sends_first_copies_only():
+    # P tp=4 repeats 2 model heads twice (pool heads 0,1 = head 0; 2,3 = head 1)
+    pieces = plan_pieces(lay(2, 4, 4), lay(2, 2, 1))
+    assert [(pc.p_shard, pc.p_start, pc.d_offset) for pc in pieces] == [(0, 0, 0), (2, 0, 1)]
+    assert moved_heads(pieces) == 2
+
+
+def test_replicated_d_pulls_each_replica():
+    pieces = plan_pieces(lay(2, 2, 1), lay(2, 4, 4))
+    assert [(pc.d_shard, pc.p_start) for pc in pieces] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert moved_heads(pieces) == 4  # what D's replication requires, no more
+
+
+def test_layout_checks():
+    assert same_layout(lay(4, 4, 2), lay(4, 4, 2))
+    assert not same_layout(lay(4, 4, 2), lay(4, 4, 2, [0, 1]))
+    assert reshard_problems(lay(4, 4, 2), lay(2, 2, 1)) == \
+        ["model KV heads: P has 4, D has 2"]
+    (why,) = reshard_problems(lay(4, 4, 2, [0, 1]), lay(4, 4, 1))
+    assert "multi-process" in why and "tp=2 on 2 process(es)" in why
+    assert reshard_problems(lay(4, 4, 2, [0, 1]), lay(4, 4, 2, [0, 1])) == []
+    with pytest.raises(ValueError, match="model KV heads"):
+        plan_pieces(lay(4, 4, 2), lay(2, 2, 1))
+    with pytest.raises(ValueError, match="multiple"):
+        KVShardLayout(4, 6, 2, (0, 0))
+    with pytest.raises(ValueError, match="process indices"):
+        KVShardLayout(4, 4, 2, (0, 5))
+
+
+def runner_layout(tp: int, kv: int, model: int, procs=None, **over) -> dict:
+    base = {"num_entries": 4, "page_size": 16, "kv_heads": kv, "model_kv_heads": model,
+            "head_dim": 8, "dtype": "float32", "partition_spec": [None, None, "tp", None],
+            "tp": tp, "num_processes": len(set(procs or [0])),
+            "shard_processes": procs or [0] * tp}
+    return {**base, **over}
+
+
+def test_layout_problems_name_the_keys():
+    assert layout_problems(runner_layout(1, 4, 4), runner_layout(2, 4, 4)) == []
+    assert layout_problems(runner_layout(1, 2, 2), runner_layout(4, 4, 2)) == []
+    assert layout_problems(runner_layout(1, 4, 4), runner_layout(1, 4, 4, head_dim=16)) == \
+        ["kv_layout.head_dim: this server has 8, peer has 16"]
+    assert layout_problems(runner_layout(1, 4, 4), runner_layout(1, 4, 4, page_size=8)) == \
+        ["kv_layout.page_size: this server has 16, peer has 8"]
+    (why,) = layout_problems(runner_layout(1, 4, 4), runner_layout(2, 4, 4, [0, 1]))
+    assert why.startswith("kv_layout: ") and "multi-process" in why
+
+
+def test_instance_layouts_from_a_plan():
+    procs = [{"role": "prefill", "instance_id": "p0", "mesh": {"tp": 2}},
+             {"role": "decode", "instance_id": "d0", "mesh": {"tp": 1}},
+             {"role": "decode", "instance_id": "d1", "mesh": {"tp": 4},
+              "distributed": {"num_processes": 2}},
+             {"role": "decode", "instance_id": "d1", "mesh": {"tp": 4}},
+             {"role": "decode", "instance_id": "d2", "mesh": {"tp": 3}}]
+    heads = {1: 2, 2: 2, 4: 4}.get  # a 2-head model: tp 4 repeats, tp 3 cannot split
+    got = instance_layouts(procs, "decode", 2, heads)
+    assert got == {"d0": lay(2, 2, 1), "d1": lay(2, 4, 4, [0, 0, 1, 1]), "d2": None}
+
+
+def test_side_channel_layout_fields_round_trip_and_are_checked():
+    layout = lay(2, 4, 4).to_dict()
+    want = m.decode(m.encode(m.Want(room=3, layout=layout)), 65536)
+    assert want.layout == layout
+    assert m.decode(m.encode(m.Want(room=3)), 65536).layout is None
+    for bad, why in (({"tp": 2, "kv_heads": 3}, "multiple"),
+                     ({"tp": "x", "kv_heads": 2}, "malformed"),
+                     ({"tp": 2, "kv_heads": 2, "shard_processes": [0, 9]}, "process"),
+                     ({"kv_heads": 2}, "malformed")):
+        raw = m.encode(m.Want(room=3, layout=bad))
+        with pytest.raises(m.MessageError, match=why):
+            m.decode(raw, 65536)
+
+
+@pytest.mark.parametrize("p_tp,p_pool,d_tp,d_pool,model", [
+    (2, 4, 1, 4, 4), (1, 4, 2, 4, 4), (4, 4, 2, 4, 4), (4, 4, 1, 2, 2), (1, 2, 4, 4, 2),
+    (2, 4, 4, 4, 4)])
+def test_cut_then_assemble_equals_the_layout_conversion(p_tp, p_pool, d_tp, d_pool, model):
+    devices = jax.devices()
+    assert len(devices) >= 4
+    p_layout, d_layout = lay(model, p_pool, p_tp), lay(model, d_pool, d_tp)
+    spec = P(None, None, "tp", None)
+    p_sharding = NamedSharding(Mesh(np.array(devices[:p_tp]), ("tp",)), spec)
+    d_sharding = NamedSharding(Mesh(np.array(devices[-d_tp:]), ("tp",)), spec)
+    base = np.arange(3 * 2 * model * 8, dtype=np.float32).reshape(3, 2, model, 8)
+    entries = [base, base + 1000]
+    packed = [jax.device_put(np.repeat(e, p_pool // model, axis=2), p_sharding)
+              for e in entries]
+    pieces = plan_pieces(p_layout, d_layout)
+    moved = cut_pieces(packed, p_layout, pieces)
+    # what the transfer does: each piece lands on its D shard's device
+    d_devices = list(d_sharding.mesh.devices.flat)
+    landed = [jax.device_put(x, d_devices[pc.d_shard])
+              for x, pc in zip(moved, list(pieces) * len(entries), strict=True)]
+    out = assemble(landed, pieces, d_layout, d_sharding, len(entries))
+    for got, e in zip(out, entries, strict=True):
+        assert got.sharding == d_sharding
+        np.testing.assert_array_equal(np.asarray(got), np.repeat(e, d_pool // model, axis=2))
+    assert sum(x.nbytes for x in moved) == len(entries) * 3 * 2 * d_pool * 8 * 4
