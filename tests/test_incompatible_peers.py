@@ -62,7 +62,6 @@ EXPECTED = {
     "prefill_page": ["page_size: this server has 16, peer has 8"],
     "prefill_dtype": ["kv_dtype: this server has 'float32', peer has 'bfloat16'"],
     "prefill_model": ["model:", "seed=1234", "seed=99"],
-    "prefill_tp2": ["kv_layout.tp: this server has 1, peer has 2"],
 }
 
 
@@ -197,6 +196,23 @@ def test_mismatch_is_a_clear_error_and_pools_return(cluster, prefill):
     _baseline(cluster, ["decode_0", prefill])
     after = pool_state(cluster.url("decode_0"))
     assert after["num_generated"] == before["num_generated"], "D decoded from foreign KV"
+
+
+def test_a_prefill_with_another_tp_serves_the_same_tokens(cluster):
+    """P tp=2 -> D tp=1 is a reshard, not a mismatch: D pulls P's two head shards, joins them,
+    and decodes the tokens a tp=1 P gives; it pulls exactly its pool's share of the pages."""
+    body = {"input_ids": [(7 * i) % 250 + 3 for i in range(40)],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    rp1, rd1 = _pd(cluster, "prefill_short", body)  # a tp=1 P of the same model
+    before = pool_state(cluster.url("decode_0"))["pd_pulled_bytes"]
+    rp2, rd2 = _pd(cluster, "prefill_tp2", body)
+    assert rp2.status_code == 200 and rd2.status_code == 200, (rp2.text, rd2.text)
+    assert rd2.json()["output_ids"] == rd1.json()["output_ids"]
+    assert len(rd2.json()["output_ids"]) == 8
+    pulled = pool_state(cluster.url("decode_0"))["pd_pulled_bytes"] - before
+    # 40 tokens = 3 pages of 16; 4 KV heads of 16 floats; 2 layers x (k, v)
+    assert pulled == 3 * 16 * 4 * 16 * 4 * 4, pulled
+    _baseline(cluster, ["decode_0", "prefill_tp2"])
 
 
 def test_prefill_only_rejection_reaches_decode_over_side_channel(cluster):

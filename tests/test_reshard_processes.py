@@ -102,3 +102,42 @@ def test_reshard_refused_when_models_differ(tmp_path):
     finally:
         P.close()
         D.close()
+
+
+def test_prefill_killed_with_a_reshard_in_flight(tmp_path):
+    """P (tp=2) registered D's (tp=1) pieces and announced them; it dies before D pulls: D
+    fails the room within its KV timeout, writes nothing, and serves the next P."""
+    P = _peer(tmp_path, "prefill", 2, 4, 4, 0)
+    D = PeerProcess("decode", "--tp", "1", "--heads", "4", "--model-kv-heads", "4",
+                    "--page-size", str(PAGE), "--head-dim", str(HEAD_DIM), "--num-pages",
+                    str(PAGES), "--kv-timeout", "4", devices=1, log_path=tmp_path / "d.log")
+    P2 = None
+    try:
+        P.call("sender", room=31)
+        D.call("receiver", room=31, p=P.info["zmq_addr"])  # no pages yet: the pull waits
+        _wait_state(P, 31, ("WaitingForInput",))
+        P.call("send", room=31, pages=[3, 4, 5], first_token=5, prompt_len=12)
+        t0 = time.monotonic()
+        while D.call("stats")["channel"].get("recv_ready", 0) < 1:
+            assert time.monotonic() - t0 < 30, "D never got P's ready"
+            time.sleep(0.05)
+        P.kill9()
+        D.call("init", room=31, pages=[7, 8, 9])  # the pull goes to a dead transfer server
+        w = D.wait(31, 30)
+        assert w["state"] == "Failed" and w["elapsed"] < 4 + 3, w
+        assert "room 31" in w["error"], w
+        assert not D.dump(range(PAGES)).any()  # nothing scattered
+        assert D.call("stats")["active"] == [0, 0]
+        # D still pulls from a live P of the same layout
+        P2 = _peer(tmp_path, "prefill", 2, 4, 4, 2)
+        P2.call("sender", room=32)
+        D.call("receiver", room=32, p=P2.info["zmq_addr"], pages=[1, 2])
+        _wait_state(P2, 32, ("WaitingForInput",))
+        P2.call("send", room=32, pages=[6, 7], first_token=5, prompt_len=8)
+        assert D.wait(32, 30)["state"] == "Success"
+        got = D.dump([1, 2])
+        np.testing.assert_array_equal(got[0], fill_values((PAGES, PAGE, 4, HEAD_DIM), 0)[[6, 7]])
+    finally:
+        for peer in (P, D, P2):
+            if peer is not None:
+                peer.close()

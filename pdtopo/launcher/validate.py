@@ -296,13 +296,16 @@ def check_symmetric(topo: TopologySchema) -> None:
     if p.processes_per_instance != d.processes_per_instance:
         raise TopologyError("topology.decode.processes_per_instance", d.processes_per_instance,
                             f"prefill has {p.processes_per_instance} processes per instance; "
-                            "N:N KV pairing (process i <-> process i) needs the same on both")
+                            "N:N KV pairing (process i <-> process i) needs the same on both "
+                            "(a different tp on each side is resharded only between "
+                            "single-process instances)")
     pp, dp = chips_per_process("prefill", p), chips_per_process("decode", d)
     if pp != dp or dict(p.mesh) != dict(d.mesh):
         raise TopologyError("topology.decode.mesh", dict(d.mesh),
                             f"prefill processes have {pp} chips and mesh {dict(p.mesh)}, decode "
                             f"{dp} chips and mesh {dict(d.mesh)}; N:N KV pairing needs the same "
-                            "local mesh on both")
+                            "local mesh on both (a different tp on each side is resharded only "
+                            "between single-process instances)")
 
 
 def check_no_overlap(assigned: Iterable[tuple[str, str, list[int]]]) -> None:
