@@ -56,7 +56,7 @@ def test_reshard_between_layouts(tmp_path, case):
         rooms = {11: ([3, 17, 5, 30, 8], [2, 9, 25, 4, 12]),  # (P pages, D pages): scattered
                  12: ([1, 2], [30, 31]),
                  13: (list(range(13, 25)), list(range(10, 22)))}  # 12 pages, several rooms
-        for room, (src, dst) in rooms.items():
+        for room, (_src, dst) in rooms.items():
             P.call("sender", room=room)
             D.call("receiver", room=room, p=P.info["zmq_addr"], pages=dst)
         for room in rooms:  # P cuts for D's layout: it needs D's want first
