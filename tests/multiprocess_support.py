@@ -1,8 +1,7 @@
-"""Extra server processes next to a launched deployment, for layouts the launcher refuses (e.g.
-an asymmetric P/D pair, which `pdtopo.launcher.validate.check_symmetric` rejects before the
-runtime ever sees it): a run directory of their own (the deployment's config.yaml + a plan with
-the deployment's bootstrap URL and the extra entries), processes started directly with the
-deployment's token, stopped by process group."""
+"""Extra server processes next to a launched deployment (e.g. single-process instances laid out
+unlike the deployment's multi-process ones): a run directory of their own (the deployment's
+config.yaml + a plan with the deployment's bootstrap URL and the extra entries), processes
+started directly with the deployment's token, stopped by process group."""
 
 from __future__ import annotations
 

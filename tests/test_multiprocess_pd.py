@@ -4,9 +4,10 @@ One deployment for the module, launched by `pdtopo launch --detach topology=1p1d
 bootstrap server, sglang-router, a prefill instance of 2 processes and a decode instance of 2
 processes (one JAX cluster each, one emulated device per process, mesh tp=2 across the
 processes; D process r pulls its KV shards from P process r). Greedy outputs through the router
-must equal a colocated server's, token for token, for prompts spanning several pages. Then a
-single-process D with the same tp=2 mesh joins (started by hand: the launcher refuses that
-layout): the P(2 processes) x D(1 process) pair must be refused with a clear error, quickly.
+must equal a colocated server's, token for token, for prompts spanning several pages. Then
+single-process instances laid out otherwise join (started by hand, next to the deployment): a
+D of 2 devices and one of 1 device pull from the 2-process P, and the 2-process D pulls from a
+P of 2 devices in one process; the KV is resharded on the way and the tokens stay colocated.
 """
 
 from __future__ import annotations
@@ -125,39 +126,49 @@ def test_followers_ran_in_lockstep_and_released(deployment, reference):
     assert p_lead["pd_side_channel_curve"] is True and p_lead["pd_side_channel_received"] > 0
 
 
-def test_asymmetric_pairing_is_refused(deployment, reference, tmp_path):
-    """P spans 2 processes; a second D instance is 1 process with the same tp=2 mesh. That D
-    must refuse the pair (its one process would get only P process 0's shards), fail the
-    request with a clear error quickly (no hang), and P must release what it registered.
-    The request goes to P and D directly, with the fields the router would inject."""
+def test_pairs_split_differently_are_resharded(deployment, reference, tmp_path):
+    """P spans 2 processes x 1 device; a second D instance is 1 process with 2 devices (the
+    same tp=2, another process split), and a third a 1-device D (tp=1). Each pulls its pieces
+    from both P processes (P's followers cut and register theirs) and decodes the colocated
+    tokens; nothing stays registered. Then the reverse: D's 2-process instance pulls from a
+    1-process P of 2 devices (each D process takes its shard from the one P process).
+    The requests go to P and D directly, with the fields the router would inject."""
     p0 = deployment.process("prefill_0_p0")
-    entry = single_process_entry(deployment.process("decode_0_p0"), "decode_1", 2, tmp_path)
-    extra = ExtraProcesses(tmp_path, deployment.run_dir, [entry])
+    d_like = deployment.process("decode_0_p0")
+    p_like = deployment.process("prefill_0_p0")
+    entries = [single_process_entry(d_like, "decode_1", 2, tmp_path),
+               single_process_entry(d_like, "decode_2", 1, tmp_path),
+               single_process_entry(p_like, "prefill_1", 2, tmp_path)]
+    extra = ExtraProcesses(tmp_path, deployment.run_dir, entries)
     try:
         extra.start()
-        body = {"text": PROMPTS[3], "sampling_params": GREEDY, "bootstrap_host": p0["address"],
-                "bootstrap_port": p0["ports"]["zmq"], "bootstrap_room": 987654321}
-        d_url = f"http://{entry['address']}:{entry['ports']['http']}"
-        t0 = time.monotonic()
-        with cf.ThreadPoolExecutor(2) as pool:
-            to_p = pool.submit(httpx.post, f"{deployment.url('prefill_0_p0')}/generate",
-                               json=body, timeout=60)
-            to_d = pool.submit(httpx.post, f"{d_url}/generate", json=body, timeout=60)
-            d_resp = to_d.result()
-            to_p.result()
-        elapsed = time.monotonic() - t0
-        assert d_resp.status_code >= 400, d_resp.text
-        assert "resharding between multi-process instances is not implemented" in \
-            d_resp.text, d_resp.text
-        assert elapsed < 20, f"refusal took {elapsed:.1f}s"
+        pairs = [(p0, entries[0]), (p0, entries[1]), (entries[2], deployment.process(
+            "decode_0_p0"))]
+        for k, (p_entry, d_entry) in enumerate(pairs):
+            for n, prompt in enumerate(PROMPTS[2:]):
+                body = {"text": prompt, "sampling_params": GREEDY,
+                        "bootstrap_host": p_entry["address"],
+                        "bootstrap_port": p_entry["ports"]["zmq"],
+                        "bootstrap_room": 987654321 + 10 * k + n}
+                p_url = f"http://{p_entry['address']}:{p_entry['ports']['http']}"
+                d_url = f"http://{d_entry['address']}:{d_entry['ports']['http']}"
+                with cf.ThreadPoolExecutor(2) as pool:
+                    to_p = pool.submit(httpx.post, f"{p_url}/generate", json=body, timeout=120)
+                    to_d = pool.submit(httpx.post, f"{d_url}/generate", json=body, timeout=120)
+                    d_resp, p_resp = to_d.result(), to_p.result()
+                assert p_resp.status_code == 200 and d_resp.status_code == 200, \
+                    (k, p_resp.text, d_resp.text)
+                assert d_resp.json()["output_ids"] == reference[prompt], (k, prompt)
+        urls = ["prefill_0_p0", "prefill_0_p1"]
         deadline = time.monotonic() + 10
-        while _state(deployment.url("prefill_0_p0"))["pd_registered_kv"] and \
+        while any(_state(deployment.url(n))["pd_registered_kv"] for n in urls) and \
                 time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _state(deployment.url("prefill_0_p0"))["pd_registered_kv"] == 0
-        assert _state(deployment.url("prefill_0_p1"))["pd_registered_kv"] == 0
-        d1 = _state(d_url)
-        assert d1["free_pages"] == d1["total_pages"]
+        for n in urls:
+            assert _state(deployment.url(n))["pd_registered_kv"] == 0, n
+        for e in entries:
+            st = _state(f"http://{e['address']}:{e['ports']['http']}")
+            assert not baseline_problems(st), (e["name"], baseline_problems(st))
     finally:
         extra.stop()
 

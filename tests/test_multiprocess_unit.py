@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -250,11 +251,43 @@ def test_manager_replays_pool_operations_on_the_mirror():
         uuid = recv.ready_info.transfer_uuid
         assert [m["op"] for m in pm.sent] == ["p_register", "p_release"]
         assert pm.sent[0] == {"op": "p_register", "room": 42, "page_ids": [1, 2], "uuid": uuid,
-                              "expire_s": P.sender_expiry_s}
+                              "expire_s": P.sender_expiry_s, "target": None}
         assert [m["op"] for m in dm.sent] == ["d_pull", "d_scatter"]
         assert dm.sent[0]["peer"] == P.engine.address and dm.sent[0]["uuid"] == uuid
         assert dm.sent[0]["num_pages"] == 2
         assert dm.sent[1] == {"op": "d_scatter", "room": 42, "page_ids": [5, 6], "skip": 0}
+    finally:
+        P.close()
+        D.close()
+
+
+def test_reshard_replays_on_the_mirror_with_the_layouts():
+    """P (tp=2) and D (tp=1) laid out differently, both with a mirror: P's followers are told
+    D's layout (they cut their pieces), D's followers P's layout and P's process addresses."""
+    pm, dm = Recorder(), Recorder()
+    P = make_mgr("prefill", pool(2, True))
+    D = make_mgr("decode", pool(1, False))
+    try:
+        P.register_runner(MirroredRunner(P.runner.kv_caches, pm))
+        D.register_runner(MirroredRunner(D.runner.kv_caches, dm))
+        sender = P.create_sender(43)
+        recv = D.create_receiver(43, P.channel.address)
+        recv.init([5, 6])
+        drive(sender, until=lambda s: s[0] == KVPoll.WaitingForInput)  # D's layout is known
+        sender.send([1, 2], prompt_len=7, first_token=3)
+        deadline = time.monotonic() + 10
+        while not dm.sent and time.monotonic() < deadline:
+            recv.poll()
+            sender.poll()
+            time.sleep(0.005)
+        dm.on_message(1, {"op": "pulled", "room": 43, "ok": True})
+        drive(sender, recv, until=done)
+        assert sender.poll() == recv.poll() == KVPoll.Success, recv.failure_exception()
+        assert pm.sent[0]["target"] == D.layout.to_dict()
+        assert dm.sent[0]["reshard"] == {"p_layout": P.layout.to_dict(),
+                                         "p_addrs": [P.engine.address]}
+        np.testing.assert_array_equal(np.asarray(D.runner.kv_caches[0])[[5, 6]],
+                                      np.asarray(P.runner.kv_caches[0])[[1, 2]])
     finally:
         P.close()
         D.close()

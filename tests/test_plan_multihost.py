@@ -125,13 +125,6 @@ ERRORS = {
                          "topology.hosts", "slice of 4 hosts"),
     "loopback_bind_multihost": (["topology=1p1d_cpu_2host", "server.bind_host=127.0.0.1"],
                                 "server.bind_host", "set server.bind_host=null"),
-    "asymmetric_processes": (["topology=1p1d_cpu_mp", "topology.decode.processes_per_instance=1",
-                              "topology.decode.mesh.tp=1"],
-                             "topology.decode.processes_per_instance", "N:N KV pairing"),
-    "asymmetric_local_mesh": (["topology=1p1d_cpu_mp", "topology.accelerator=cpu-8",
-                               "topology.decode.chips_per_process=2",
-                               "topology.decode.mesh.tp=4"],
-                              "topology.decode.mesh", "same local mesh"),
     "hosts_count": (["topology=1p1d_v6e16", "topology.prefill.hosts=[tpu-0]"],
                     "topology.prefill.hosts", "1 hosts for 2 processes"),
     "unknown_process_host": (["topology=1p1d_v6e16", "topology.decode.hosts=[tpu-2,tpu-9]"],
@@ -150,6 +143,21 @@ ERRORS = {
                                  "+topology.decode.chips=[[0,1,2,3],[0,1,2,3]]"],
                                 "topology.decode.chips", "chip 0 is used by both"),
 }
+
+
+@pytest.mark.parametrize("overrides", [
+    ["topology.decode.processes_per_instance=1", "topology.decode.chips_per_process=2"],
+    ["topology.decode.processes_per_instance=1", "topology.decode.mesh.tp=1"],
+    ["topology.accelerator=cpu-8", "topology.decode.chips_per_process=2",
+     "topology.decode.mesh.tp=4"]])
+def test_p_and_d_split_differently_are_planned(overrides):
+    """P and D laid out differently (process count, chips per process, tp) are resharded on
+    the way (docs/topology.md#heterogeneous-p-and-d): the planner gives each role its own."""
+    plan = plan_for("topology=1p1d_cpu_mp", *overrides)
+    d = [p for p in plan.processes if p.role == "decode"]
+    p = [p for p in plan.processes if p.role == "prefill"]
+    assert len(p) == 2 and all(x.mesh == {"tp": 2} for x in p)
+    assert d and all(x.mesh["tp"] == d[0].mesh["tp"] for x in d)
 
 
 @pytest.mark.parametrize("case", sorted(ERRORS))

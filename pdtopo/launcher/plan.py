@@ -226,8 +226,6 @@ def _assign_chips(topo: TopologySchema, acc: Accelerator) -> list[_Server]:
     for host in dict.fromkeys(s.host for s in servers):
         validate.check_no_overlap((s.name, s.chips_key, s.chips) for s in servers
                                   if s.host == host)
-    if topo.mode == "pd":
-        validate.check_symmetric(topo)
     return servers
 
 

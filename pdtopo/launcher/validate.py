@@ -287,27 +287,6 @@ def check_process_grid(acc: Accelerator, role: str, spec: RoleSchema, per: int) 
                             f"{acc.name} (known processes x chip bounds: {', '.join(known)})")
 
 
-def check_symmetric(topo: TopologySchema) -> None:
-    """Multi-process P and D pair process i with process i (N:N pairing, docs/protocol.md#multi-process-instances):
-    both sides need the same number of processes per instance and the same local mesh."""
-    p, d = topo.prefill, topo.decode
-    if p.processes_per_instance == 1 and d.processes_per_instance == 1:
-        return
-    if p.processes_per_instance != d.processes_per_instance:
-        raise TopologyError("topology.decode.processes_per_instance", d.processes_per_instance,
-                            f"prefill has {p.processes_per_instance} processes per instance; "
-                            "N:N KV pairing (process i <-> process i) needs the same on both "
-                            "(a different tp on each side is resharded only between "
-                            "single-process instances)")
-    pp, dp = chips_per_process("prefill", p), chips_per_process("decode", d)
-    if pp != dp or dict(p.mesh) != dict(d.mesh):
-        raise TopologyError("topology.decode.mesh", dict(d.mesh),
-                            f"prefill processes have {pp} chips and mesh {dict(p.mesh)}, decode "
-                            f"{dp} chips and mesh {dict(d.mesh)}; N:N KV pairing needs the same "
-                            "local mesh on both (a different tp on each side is resharded only "
-                            "between single-process instances)")
-
-
 def check_no_overlap(assigned: Iterable[tuple[str, str, list[int]]]) -> None:
     """assigned: (process name, config key, chips) in plan order."""
     owner: dict[int, str] = {}

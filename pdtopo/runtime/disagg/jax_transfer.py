@@ -106,6 +106,18 @@ def _pool_layout(spec: PoolTransferSpec) -> KVShardLayout:
                          shard_processes=(0,) * shards)
 
 
+def instance_transfer_addrs(ctx: Any) -> list[str] | None:
+    """The transfer address of every process of this process's instance, by process index
+    (from the plan); None for a single-process instance."""
+    procs = [p for p in ctx.plan.get("processes", [])
+             if p.get("instance_id") == ctx.process.get("instance_id")
+             and p.get("role") == ctx.role and p.get("distributed")]
+    if len(procs) < 2:
+        return None
+    procs.sort(key=lambda p: int(p["distributed"]["process_id"]))
+    return [f"{p['address']}:{int(p['ports']['transfer'])}" for p in procs]
+
+
 def _check_endpoint(addr: str, what: str) -> str:
     host, _, port = str(addr).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -326,12 +338,11 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                     f"{msg.skip_pages})", status=500)
             p_layout = self.mgr.layout if msg.layout is None else \
                 KVShardLayout.from_dict(msg.layout)
-            if same_layout(p_layout, self.mgr.layout):
-                check_packed_meta(announced[0], main.packed_meta(count))
-                specs = main.packed_specs(count)
+            reshard = not same_layout(p_layout, self.mgr.layout)
+            if reshard:
+                self.mgr._check_reshard_meta(announced[0], p_layout, count)
             else:
-                specs = self.mgr._reshard_specs(announced[0], p_layout, count, self.room)
-                self._reshard = (plan_pieces(p_layout, self.mgr.layout), p_layout)
+                check_packed_meta(announced[0], main.packed_meta(count))
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 raise KVTransferError(f"room {self.room}: KV deadline passed before the pull",
@@ -339,7 +350,13 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
             self._drop = extra
             self.pulled_pages = count
             self.times["pull_start"] = time.monotonic()
-            self._future = self.mgr._pull(msg, specs, remaining, room=self.room)
+            if reshard:
+                self._future, pieces = self.mgr._pull_reshard(msg, p_layout, count, remaining,
+                                                              room=self.room)
+                self._reshard = (pieces, p_layout)
+            else:
+                self._future = self.mgr._pull(msg, main.packed_specs(count), remaining,
+                                              room=self.room)
             if hasattr(self._future, "add_done_callback"):  # the pull thread's own end time
                 self._future.add_done_callback(self._pulled)
         except KVTransferError as e:
@@ -412,6 +429,10 @@ class JaxTransferKVManager(BaseKVManager):
         self.scatter_fn = scatter_fn or _make_default_scatter(kernels_impl)
         self.runner: KVRunner | None = None
         self.layout = _pool_layout(args.main)  # this pool's KV shard layout (register_runner)
+        self.process_index = 0  # this process in its instance (the leader, or a lone one)
+        # P: the transfer address of each process of a multi-process instance (in `ready`, so
+        # that a D laid out otherwise can pull pieces from each); None for one process
+        self.process_transfer_addrs: list[str] | None = None
         self.mirror: Any = None  # replays pool operations on the instance's other processes
         self._owns_transport = owns_transport
         self._senders: dict[int, JaxTransferKVSender] = {}
@@ -449,9 +470,11 @@ class JaxTransferKVManager(BaseKVManager):
         except Exception:
             engine.close()
             raise
-        return cls(args, ctx.bootstrap_url, engine=engine, channel=channel,
-                   kv_timeout_s=d.kv_timeout_s, sender_expiry_s=d.sender_expiry_s,
-                   kernels_impl=ctx.settings.kernels.impl, owns_transport=True, **kw)
+        mgr = cls(args, ctx.bootstrap_url, engine=engine, channel=channel,
+                  kv_timeout_s=d.kv_timeout_s, sender_expiry_s=d.sender_expiry_s,
+                  kernels_impl=ctx.settings.kernels.impl, owns_transport=True, **kw)
+        mgr.process_transfer_addrs = instance_transfer_addrs(ctx)
+        return mgr
 
     # --------------------------------------------------------------- ABC
     def register_runner(self, runner: KVRunner) -> None:
@@ -462,6 +485,11 @@ class JaxTransferKVManager(BaseKVManager):
         kv_layout = getattr(runner, "kv_layout", None)
         if callable(kv_layout):
             self.layout = KVShardLayout.from_dict(kv_layout())
+        mesh = getattr(runner, "mesh", None)
+        if mesh is not None:
+            from pdtopo.runtime.engine.mesh import local_process_index  # deferred: JAX
+
+            self.process_index = local_process_index(mesh)
 
     def warmup_kernels(self, role: str, max_pages: int,
                        peer_layouts: Sequence[KVShardLayout] = ()) -> int:
@@ -612,26 +640,29 @@ class JaxTransferKVManager(BaseKVManager):
         if not page_ids:
             raise KVTransferError(f"room {room}: send() needs at least one page", status=500)
         uuid = self.engine.new_uuid()
-        if self.mirror is not None:  # the other processes gather + register their shards too
-            self.mirror.register(room, page_ids, uuid, self.sender_expiry_s)
         target = peer_layout or self.layout
-        if not same_layout(self.layout, target) and self.mirror is not None:
-            raise KVTransferError(f"room {room}: D is laid out {target.to_dict()}, this "
-                                  "multi-process P cannot reshard for it", status=500)
+        reshard = not same_layout(self.layout, target)
+        pieces = plan_pieces(self.layout, target) if reshard else None
+        if self.mirror is not None:  # the other processes gather + register their shards too
+            self.mirror.register(room, page_ids, uuid, self.sender_expiry_s,
+                                 target.to_dict() if reshard else None)
         packed = self.gather_fn(self.runner.kv_caches, page_ids)
         meta = PackedMeta.from_arrays(packed, name=self.args.main.name)
-        arrays = packed
-        if not same_layout(self.layout, target):
-            from pdtopo.runtime.disagg.reshard_arrays import cut_pieces  # deferred: JAX
+        if reshard:
+            from pdtopo.runtime.disagg.reshard_arrays import register_parts  # deferred: JAX
 
-            arrays = cut_pieces(packed, self.layout, plan_pieces(self.layout, target))
-        uuid, deadline = self.engine.register(room, arrays, self.sender_expiry_s, uuid=uuid)
+            deadline = register_parts(self.engine, room, packed, self.layout, pieces,
+                                      self.process_index, uuid, self.sender_expiry_s)
+            deadline = deadline or time.time() + self.sender_expiry_s
+        else:
+            uuid, deadline = self.engine.register(room, packed, self.sender_expiry_s, uuid=uuid)
         return m.Ready(room=room, transfer_addr=self.engine.address, transfer_uuid=uuid,
                        expires_at=deadline, pools=(meta,),
                        prompt_len=int(prompt_len if prompt_len is not None else 0),
                        first_token=first_token, first_logprob=first_logprob,
                        cached_tokens=int(cached_tokens), skip_pages=int(skip_pages),
-                       p_stages=dict(p_stages or {}), layout=self.layout.to_dict())
+                       p_stages=dict(p_stages or {}), layout=self.layout.to_dict(),
+                       transfer_addrs=list(self.process_transfer_addrs or []) or None)
 
     def _recut(self, room: int, ready: m.Ready, sent_for: KVShardLayout,
                target: KVShardLayout) -> m.Ready:
@@ -639,33 +670,33 @@ class JaxTransferKVManager(BaseKVManager):
         `target`: register `target`'s pieces of it under a new uuid. The first registration
         stays in the transfer server until it expires (sender_expiry_s): P waits for D's
         layout when its plan has decode instances laid out otherwise, so this is rare."""
-        from pdtopo.runtime.disagg.reshard_arrays import cut_pieces  # deferred: JAX
+        from pdtopo.runtime.disagg.reshard_arrays import register_parts  # deferred: JAX
 
-        if self.mirror is not None or not same_layout(sent_for, self.layout):
+        if not same_layout(sent_for, self.layout):
             raise KVTransferError(f"room {room}: D is laid out {target.to_dict()}; P "
-                                  "registered the KV before D said so and cannot cut it again",
-                                  status=500)
+                                  "registered the KV for another layout before D said so and "
+                                  "cannot cut it again", status=500)
         packed = self.engine.registered_arrays(room)
         if packed is None:
             raise KVTransferError(f"room {room}: P's registration of this KV is gone "
                                   "(expired)", status=504)
-        arrays = cut_pieces(packed, self.layout, plan_pieces(self.layout, target))
+        pieces = plan_pieces(self.layout, target)
         self.engine.release(room)
-        uuid, deadline = self.engine.register(room, arrays, self.sender_expiry_s)
+        uuid = self.engine.new_uuid()
+        if self.mirror is not None:  # the other processes cut their registrations too
+            self.mirror.recut(room, uuid, self.sender_expiry_s, target.to_dict())
+        deadline = register_parts(self.engine, room, packed, self.layout, pieces, 0, uuid,
+                                  self.sender_expiry_s)
         log.warning("room %s: D's want came after P registered the KV; registered D's layout "
                     "%s again (the first registration waits for its expiry)", room,
                     target.to_dict())
-        return replace(ready, transfer_uuid=uuid, expires_at=deadline)
+        return replace(ready, transfer_uuid=uuid,
+                       expires_at=deadline or time.time() + self.sender_expiry_s)
 
-    def _reshard_specs(self, announced: PackedMeta, p_layout: KVShardLayout, count: int,
-                       room: int) -> list[Any]:
-        """D: what to pull from a P laid out `p_layout` (checked against this pool first)."""
-        from pdtopo.runtime.disagg.reshard_arrays import piece_specs  # deferred: JAX
-
+    def _check_reshard_meta(self, announced: PackedMeta, p_layout: KVShardLayout,
+                            count: int) -> None:
+        """D: P's announcement against this pool, where only the heads may differ."""
         main = self.args.main
-        if self.mirror is not None:
-            raise KVTransferError(f"room {room}: P is laid out {p_layout.to_dict()}, this "
-                                  "multi-process D cannot reshard from it", status=500)
         expected = main.packed_meta(count)
         shape, want = announced.shape, expected.shape
         problems = [f"{f}={getattr(announced, f)!r} (this D: {getattr(expected, f)!r})"
@@ -678,12 +709,40 @@ class JaxTransferKVManager(BaseKVManager):
         if problems:
             raise SpecMismatchError(f"pool {main.name!r}: P announced " + ", ".join(problems)
                                     + "; refusing to pull (would be wrong data)", status=500)
+
+    def _pull_reshard(self, msg: m.Ready, p_layout: KVShardLayout, count: int,
+                      timeout_s: float, *, room: int) -> tuple[Any, list[Any]]:
+        """D: pull this process's pieces of `msg`'s KV from every P process holding some
+        (and have the instance's other processes pull theirs); (Future of the pulled pieces,
+        this process's pieces)."""
+        from pdtopo.runtime.disagg.reshard_arrays import (  # deferred: JAX
+            piece_specs,
+            pieces_of_d_process,
+            pull_parts,
+        )
+
+        main = self.args.main
         try:
             pieces = plan_pieces(p_layout, self.layout)
         except ValueError as exc:
             raise KVTransferError(f"room {room}: {exc}", status=500) from None
-        return piece_specs(count, main.page_size, main.shape[3], main.dtype, main.num_entries,
-                           pieces, main.sharding, self.layout)
+        mine = pieces_of_d_process(pieces, self.process_index)
+        p_addrs = list(msg.transfer_addrs or [msg.transfer_addr])
+
+        def specs_of(group: list[Any]) -> list[Any]:
+            return piece_specs(count, main.page_size, main.shape[3], main.dtype,
+                               main.num_entries, group, main.sharding, self.layout)
+
+        try:
+            fut = pull_parts(self.engine, room, p_addrs, msg.transfer_uuid, mine,
+                             self.process_index, main.num_entries, specs_of, timeout_s)
+        except ValueError as exc:
+            raise KVTransferError(f"room {room}: {exc}", status=500) from None
+        if self.mirror is not None:  # complete only when every process has its pieces
+            fut = self.mirror.pull(room, msg.transfer_addr, msg.transfer_uuid, count,
+                                   timeout_s, fut, reshard={"p_layout": p_layout.to_dict(),
+                                                            "p_addrs": p_addrs})
+        return fut, mine
 
     def _assemble(self, pulled: list[Any], pieces: Any) -> list[Any]:
         from pdtopo.runtime.disagg.reshard_arrays import assemble  # deferred: JAX

@@ -15,7 +15,9 @@ Every message is one JSON object, UTF-8, at most `max_bytes` long, with a protoc
 |        |           | cached_tokens (optional: prompt tokens P took from its prefix cache),  |
 |        |           | skip_pages (optional: leading prompt pages not sent: D holds them),    |
 |        |           | p_stages (optional: {queue, prefill, send} seconds on P's clock),      |
-|        |           | layout (optional: P's KV shard layout; absent = D's own)               |
+|        |           | layout (optional: P's KV shard layout; absent = D's own),              |
+|        |           | transfer_addrs (optional: every P process's transfer address, by      |
+|        |           | process index, for a D that takes pieces from several)                 |
 | done   | D -> P    | room, ok (bool), reason (optional)                                     |
 | failed | both      | room, reason (str), status (optional HTTP status int)                  |
 
@@ -80,6 +82,7 @@ class Ready:
     # P's stages of this request in seconds, each measured on P's clock (P_STAGES)
     p_stages: dict[str, float] = field(default_factory=dict)
     layout: dict[str, Any] | None = None  # P's KV shard layout; None: the same as D's
+    transfer_addrs: list[str] | None = None  # P's processes (multi-process P), by index
     type: str = field(default="ready", init=False)
 
 
@@ -144,6 +147,17 @@ def _pool(d: Any, i: int) -> PackedMeta:
     if not isinstance(meta.sharding.get("num_devices"), int):
         raise MessageError(f"ready message: pools[{i}].sharding.num_devices must be an int")
     return meta
+
+
+def _addrs(d: dict[str, Any], mtype: str) -> list[str] | None:
+    raw = _get(d, "transfer_addrs", (list,), optional=True, mtype=mtype)
+    if raw is None:
+        return None
+    if not 0 < len(raw) <= 4096 or not all(
+            isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in raw):
+        raise MessageError(f"{mtype} message: transfer_addrs must be a non-empty list of "
+                           f"host:port strings, got {raw!r}"[:300])
+    return list(raw)
 
 
 def _layout(d: dict[str, Any], mtype: str) -> dict[str, Any] | None:
@@ -221,7 +235,8 @@ def from_dict(d: Any) -> Message:
                  first_token=_get(d, "first_token", (int,), optional=True, mtype=mtype),
                  first_logprob=None if logprob is None else float(logprob),
                  cached_tokens=cached, skip_pages=skip,
-                 p_stages={k: float(v) for k, v in stages.items()}, layout=_layout(d, mtype))
+                 p_stages={k: float(v) for k, v in stages.items()}, layout=_layout(d, mtype),
+                 transfer_addrs=_addrs(d, mtype))
 
 
 def decode(raw: bytes, max_bytes: int) -> Message:

@@ -121,12 +121,6 @@ def reshard_problems(p: KVShardLayout, d: KVShardLayout) -> list[str]:
     problems = []
     if p.model_kv_heads != d.model_kv_heads:
         problems.append(f"model KV heads: P has {p.model_kv_heads}, D has {d.model_kv_heads}")
-    elif not same_layout(p, d) and (p.num_processes > 1 or d.num_processes > 1):
-        problems.append(
-            f"P splits KV over tp={p.shards} on {p.num_processes} process(es), D over "
-            f"tp={d.shards} on {d.num_processes}: resharding between multi-process instances "
-            "is not implemented; make the multi-process side's layout equal the other's, or "
-            "use single-process instances (processes_per_instance: 1) for different tp")
     return problems
 
 

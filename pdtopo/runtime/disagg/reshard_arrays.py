@@ -15,6 +15,8 @@ the counts a request can have before serving (`warm`).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,21 +75,23 @@ def piece_specs(num_pages: int, page_size: int, head_dim: int, dtype: Any, num_e
 
 def assemble(pulled: Sequence[jax.Array], pieces: Sequence[Piece], d_layout: KVShardLayout,
              d_sharding: Any, num_entries: int) -> list[jax.Array]:
-    """D: the packed arrays in D's pool sharding from the pulled pieces."""
+    """D: the packed arrays in D's pool sharding from the pulled pieces (those of this
+    process's shards, `pieces_of_d_process`, on a multi-process D)."""
     per = len(pieces)
     if len(pulled) != per * num_entries:
         raise ValueError(f"pulled {len(pulled)} arrays, expected {per} pieces x "
                          f"{num_entries} entries")
     devices = shard_devices(d_sharding, d_layout.shards)
+    local = sorted({pc.d_shard for pc in pieces})  # a multi-process D: this process's shards
     out = []
     for e in range(num_entries):
         arrays = pulled[e * per:(e + 1) * per]
-        by_shard: list[list[jax.Array]] = [[] for _ in range(d_layout.shards)]
+        by_shard: dict[int, list[jax.Array]] = {s: [] for s in local}
         for pc, x in zip(pieces, arrays, strict=True):
             by_shard[pc.d_shard].append(x)
-        shards = [g[0] if len(g) == 1 else jnp.concatenate(g, axis=2) for g in by_shard]
+        shards = [jax.device_put(g[0] if len(g) == 1 else jnp.concatenate(g, axis=2),
+                                 devices[s]) for s, g in by_shard.items()]
         n, page, _, hd = shards[0].shape
-        shards = [jax.device_put(s, d) for s, d in zip(shards, devices, strict=True)]
         out.append(jax.make_array_from_single_device_arrays(
             (n, page, d_layout.pool_heads, hd), d_sharding, shards))
     return out
@@ -114,3 +118,70 @@ def warm(role: str, counts: Sequence[int], pool_spec: Any, mine: KVShardLayout,
                 jax.block_until_ready(assemble(pulled, pieces, mine, pool_spec.sharding, 1))
             done += 1
     return done
+
+
+# ----------------------------------------------------------------------------- transfer parts
+# A P process registers, per decode process that takes pieces from it, one `part`: its pieces
+# for that process under `part_uuid(uuid, d_process)`. A D process pulls one part from every P
+# process that holds pieces of its shards, and gets back its pieces in plan order.
+
+def part_uuid(uuid: int, d_process: int) -> int:
+    """The uuid of the part for decode process `d_process` (0: the room's uuid itself)."""
+    if d_process == 0:
+        return int(uuid)
+    return (int(uuid) ^ (int(d_process) * 0x9E3779B97F4A7C15)) & (2**63 - 1) or 1
+
+
+def pieces_of_d_process(pieces: Sequence[Piece], d_process: int) -> list[Piece]:
+    return [pc for pc in pieces if pc.d_process == d_process]
+
+
+def register_parts(engine: Any, room: int, packed: Sequence[jax.Array], p_layout: KVShardLayout,
+                   pieces: Sequence[Piece], p_process: int, uuid: int,
+                   expire_s: float) -> float | None:
+    """P process `p_process`: register its pieces of `packed` for every decode process that
+    takes any. Returns the registrations' deadline (None when it holds no piece)."""
+    deadline = None
+    for d_proc in sorted({pc.d_process for pc in pieces if pc.p_process == p_process}):
+        mine = [pc for pc in pieces if pc.p_process == p_process and pc.d_process == d_proc]
+        _, deadline = engine.register(room, cut_pieces(packed, p_layout, mine), expire_s,
+                                      uuid=part_uuid(uuid, d_proc), part=d_proc)
+    return deadline
+
+
+def pull_parts(engine: Any, room: int, p_addrs: Sequence[str], uuid: int,
+               mine: Sequence[Piece], d_process: int, num_entries: int, specs_of: Any,
+               timeout_s: float) -> cf.Future:
+    """D process `d_process`: pull its pieces `mine` (one pull per P process holding some);
+    a Future of the pulled arrays, entry by entry, in the order of `mine`."""
+    groups: dict[int, list[int]] = {}
+    for i, pc in enumerate(mine):
+        groups.setdefault(pc.p_process, []).append(i)
+    missing = [p for p in groups if p >= len(p_addrs)]
+    if missing:
+        raise ValueError(f"P processes {missing} hold pieces but P announced transfer "
+                         f"addresses for {len(p_addrs)} process(es)")
+    futures = {p: engine.pull(p_addrs[p], part_uuid(uuid, d_process),
+                              specs_of([mine[i] for i in idx]), timeout_s, room=room)
+               for p, idx in groups.items()}
+    out: cf.Future = cf.Future()
+    lock = threading.Lock()
+
+    def settle(_f: cf.Future) -> None:
+        with lock:
+            if out.done():
+                return
+            for f in futures.values():
+                if f.done() and f.exception() is not None:
+                    out.set_exception(f.exception())
+                    return
+            if not all(f.done() for f in futures.values()):
+                return
+            where = {i: (p, k) for p, idx in groups.items() for k, i in enumerate(idx)}
+            got = {p: f.result() for p, f in futures.items()}
+            out.set_result([got[where[i][0]][e * len(groups[where[i][0]]) + where[i][1]]
+                            for e in range(num_entries) for i in range(len(mine))])
+
+    for f in futures.values():
+        f.add_done_callback(settle)
+    return out

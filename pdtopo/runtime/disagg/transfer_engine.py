@@ -145,7 +145,7 @@ class JaxTransferKVEngine:
         self.expired: queue.Queue[int] = queue.Queue()
         self.sweep_interval_s = float(sweep_interval_s)
         self._lock = threading.Lock()
-        self._rooms: dict[int, _Registration] = {}
+        self._rooms: dict[tuple[int, int], _Registration] = {}  # (room, part) ->
         self._conns: dict[str, Any] = {}
         self._pulls: dict[int, _Pull] = {}
         self._pull_ids = itertools.count()
@@ -184,10 +184,11 @@ class JaxTransferKVEngine:
                 return uid
 
     def register(self, room: int, arrays: Sequence[Any], expire_s: float,
-                 uuid: int | None = None) -> tuple[int, float]:
+                 uuid: int | None = None, part: int = 0) -> tuple[int, float]:
         """await_pull `arrays` under `uuid` (default: a fresh one) for room; returns (uuid,
         deadline unix s). Every process of a multi-process instance registers its own shards
-        of the same packed arrays under the leader's uuid."""
+        of the same packed arrays under the leader's uuid. A reshard registers one `part` per
+        decode process that pulls from this one (each under its own uuid)."""
         arrays = list(arrays)
         if not arrays:
             raise ValueError(f"room {room}: nothing to register (empty array list)")
@@ -195,27 +196,33 @@ class JaxTransferKVEngine:
         deadline = time.time() + float(expire_s)
         with self._lock:
             uid = self._fresh_uuid_locked() if uuid is None else int(uuid)
-            if room in self._rooms:
-                raise KVTransferError(f"room {room} is already registered for a pull")
+            if (room, part) in self._rooms:
+                raise KVTransferError(f"room {room} is already registered for a pull"
+                                      + (f" (part {part})" if part else ""))
             self._server.await_pull(uid, arrays, timeout=_deadline_datetime(expire_s))
-            self._rooms[room] = _Registration(uid, arrays, deadline,
-                                              sum(int(a.nbytes) for a in arrays))
+            self._rooms[(room, part)] = _Registration(uid, arrays, deadline,
+                                                      sum(int(a.nbytes) for a in arrays))
         return uid, deadline
 
     def release(self, room: int) -> bool:
-        """Drop P's reference to a room's arrays (after done / failure). True if it was held."""
+        """Drop P's reference to a room's arrays, every part (after done / failure). True if
+        it held any."""
         with self._lock:
-            return self._rooms.pop(room, None) is not None
+            keys = [k for k in self._rooms if k[0] == room]
+            for k in keys:
+                del self._rooms[k]
+            return bool(keys)
 
-    def registered_arrays(self, room: int) -> list[Any] | None:
+    def registered_arrays(self, room: int, part: int = 0) -> list[Any] | None:
         """The arrays registered for `room` (None when it holds none)."""
         with self._lock:
-            reg = self._rooms.get(room)
+            reg = self._rooms.get((room, part))
             return None if reg is None else list(reg.arrays)
 
     def num_registered(self) -> int:
+        """Rooms with KV registered (whatever their number of parts)."""
         with self._lock:
-            return len(self._rooms)
+            return len({room for room, _part in self._rooms})
 
     def registered_bytes(self) -> int:
         with self._lock:
@@ -225,9 +232,10 @@ class JaxTransferKVEngine:
         """Free rooms past their deadline (also put on `expired`) and kick server expiry."""
         now = time.time() if now is None else now
         with self._lock:
-            gone = [room for room, r in self._rooms.items() if r.deadline <= now]
-            for room in gone:
-                del self._rooms[room]
+            late = [key for key, r in self._rooms.items() if r.deadline <= now]
+            for key in late:
+                del self._rooms[key]
+            gone = sorted({room for room, _part in late})
             try:  # tiny registration that expires at once: makes the server process expiries
                 self._server.await_pull(self._fresh_uuid_locked(), [self._tiny],
                                         timeout=_deadline_datetime(0))

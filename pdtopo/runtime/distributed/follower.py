@@ -11,12 +11,18 @@
 The loop executes the leader's commands in order (`pdtopo.runtime.distributed.leader`):
     forward    runner.forward(chunks); logits are discarded (the leader samples)
     p_register gather the room's pages (this process's shards) and await_pull them under the
-               leader's uuid on this process's transfer server
+               leader's uuid on this process's transfer server; with a `target` D layout
+               unlike this instance's, register this process's pieces for it instead
+               (disagg/reshard_arrays.register_parts)
+    p_recut    D's want came after p_register: cut that registration for D's layout and
+               register the pieces under the new uuid
     p_release  drop that registration
     d_pull     look up P's process with this process's rank (bootstrap GET /route, by P's
                instance found from the leader's transfer address) and pull this process's shards
-               on the engine's pull_executor; ack {"op": "pulled", ok, error} to the leader
-    d_scatter  insert the room's pulled shards into the pool at the given pages
+               on the engine's pull_executor (with `reshard`: this process's pieces from the P
+               processes holding them); ack {"op": "pulled", ok, error} to the leader
+    d_scatter  insert the room's pulled shards into the pool at the given pages (joining the
+               pieces of a reshard into this process's shards first)
     d_drop     forget the room's pulled shards
     stop       leave the loop
 """
@@ -36,11 +42,19 @@ from pdtopo.runtime.bootstrap.protocol import Registration
 from pdtopo.runtime.compilation_cache import enable_compilation_cache
 from pdtopo.runtime.disagg.base import PoolTransferSpec
 from pdtopo.runtime.disagg.mixin_base import model_identity
+from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces
+from pdtopo.runtime.disagg.reshard_arrays import (
+    assemble,
+    piece_specs,
+    pieces_of_d_process,
+    pull_parts,
+    register_parts,
+)
 from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
 from pdtopo.runtime.distributed.cluster import ClusterSpec
 from pdtopo.runtime.distributed.control import ControlClient, lockstep_curve
 from pdtopo.runtime.distributed.health import HealthServer
-from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.mesh import build_mesh, local_process_index
 from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk, warmup_kinds
 from pdtopo.runtime.http_auth import HttpGuard
 
@@ -93,7 +107,10 @@ class Follower:
         self.peers = peers
         self.kernels_impl = kernels_impl
         self.pool = PoolTransferSpec.from_kv_caches(runner.kv_caches)
+        self.layout = KVShardLayout.from_dict(runner.kv_layout())
+        self.process_index = local_process_index(runner.mesh)
         self.pulls: dict[int, cf.Future] = {}
+        self.pieces: dict[int, list[Any]] = {}  # room -> this process's pieces (a reshard)
         self._resolver = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-rank")
         self.num_commands = 0
         self.num_forward = 0
@@ -135,8 +152,23 @@ class Follower:
     def _op_p_register(self, msg: dict[str, Any]) -> None:
 
         packed = select_from_kv_caches(self.runner.kv_caches, msg["page_ids"])
+        if msg.get("target"):
+            pieces = plan_pieces(self.layout, KVShardLayout.from_dict(msg["target"]))
+            register_parts(self.engine, int(msg["room"]), packed, self.layout, pieces,
+                           self.process_index, int(msg["uuid"]), float(msg["expire_s"]))
+            return
         self.engine.register(int(msg["room"]), packed, float(msg["expire_s"]),
                              uuid=int(msg["uuid"]))
+
+    def _op_p_recut(self, msg: dict[str, Any]) -> None:
+        room = int(msg["room"])
+        packed = self.engine.registered_arrays(room)
+        if packed is None:
+            raise RuntimeError(f"room {room}: no registration to cut for D's layout")
+        self.engine.release(room)
+        pieces = plan_pieces(self.layout, KVShardLayout.from_dict(msg["target"]))
+        register_parts(self.engine, room, packed, self.layout, pieces, self.process_index,
+                       int(msg["uuid"]), float(msg["expire_s"]))
 
     def _op_p_release(self, msg: dict[str, Any]) -> None:
         self.engine.release(int(msg["room"]))
@@ -144,6 +176,9 @@ class Follower:
     def _op_d_pull(self, msg: dict[str, Any]) -> None:
         room = int(msg["room"])
         deadline = time.monotonic() + float(msg["timeout_s"])
+        if msg.get("reshard"):
+            self._pull_pieces(room, msg, deadline)
+            return
         specs = self.pool.packed_specs(int(msg["num_pages"]))
 
         def job() -> Any:
@@ -163,14 +198,47 @@ class Follower:
 
         fut.add_done_callback(report)
 
+    def _pull_pieces(self, room: int, msg: dict[str, Any], deadline: float) -> None:
+        """d_pull of a reshard: this process's pieces from the P processes holding them."""
+        info = msg["reshard"]
+        pool, count = self.pool, int(msg["num_pages"])
+        try:
+            pieces = plan_pieces(KVShardLayout.from_dict(info["p_layout"]), self.layout)
+            mine = pieces_of_d_process(pieces, self.process_index)
+
+            def specs_of(group: list[Any]) -> list[Any]:
+                return piece_specs(count, pool.page_size, pool.shape[3], pool.dtype,
+                                   pool.num_entries, group, pool.sharding, self.layout)
+
+            fut = pull_parts(self.engine, room, list(info["p_addrs"]), int(msg["uuid"]), mine,
+                             self.process_index, pool.num_entries, specs_of,
+                             max(0.001, deadline - time.monotonic()))
+        except Exception as exc:
+            fut = cf.Future()
+            fut.set_exception(exc)
+            mine = []
+        self.pulls[room] = fut
+        self.pieces[room] = mine
+
+        def report(f: cf.Future) -> None:
+            exc = f.exception()
+            self.control.send({"op": "pulled", "room": room, "ok": exc is None,
+                               "error": None if exc is None else str(exc)})
+
+        fut.add_done_callback(report)
+
     def _op_d_scatter(self, msg: dict[str, Any]) -> None:
 
         room = int(msg["room"])
         fut = self.pulls.pop(room, None)
+        pieces = self.pieces.pop(room, None)
         if fut is None or not fut.done() or fut.exception() is not None:
             raise RuntimeError(f"room {room}: the leader scatters KV this process has not "
                                "pulled; this process's shards of the request are missing")
         packed, skip = fut.result(), int(msg.get("skip", 0))
+        if pieces is not None:
+            packed = assemble(packed, pieces, self.layout, self.pool.sharding,
+                              self.pool.num_entries)
         if skip:  # pages D's prefix cache already holds: pulled, not written
             packed = [a[skip:] for a in packed]
         self.runner.kv_caches = insert_kv_chunks(self.runner.kv_caches, packed,
@@ -178,6 +246,7 @@ class Follower:
 
     def _op_d_drop(self, msg: dict[str, Any]) -> None:
         self.pulls.pop(int(msg["room"]), None)
+        self.pieces.pop(int(msg["room"]), None)
 
     def state(self) -> dict[str, Any]:
         return {"num_commands": self.num_commands, "num_forward": self.num_forward,

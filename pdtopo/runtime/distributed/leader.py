@@ -9,12 +9,19 @@ every follower's hello and returns a `LeaderRunner`, which the scheduler uses li
                         so the step's collectives line up; sampling uses the local logits only
     kv_mirror        -> `LeaderMirror`, which the KV manager (disagg/jax_transfer.py) calls so that
                         each follower does the same pool operation on its own shards:
-        register(room, pages, uuid, expiry)  P: gather + await_pull under the leader's uuid
+        register(room, pages, uuid, expiry, target)
+                                             P: gather + await_pull under the leader's uuid
+                                             (with a D layout `target` unlike P's: cut and
+                                             register its pieces, reshard_arrays)
+        recut(room, uuid, expiry, target)    P: D's want came after the registration: cut
+                                             the registered shards for D's layout instead
         release(room)                        P: drop the registration (done / failure)
-        pull(room, peer, uuid, n, timeout, local_future) -> Future
+        pull(room, peer, uuid, n, timeout, local_future, reshard) -> Future
                                              D: every follower pulls its shards from its P peer
-                                             (same rank); the Future completes when the leader's
-                                             own pull and every follower's `pulled` ack are in
+                                             (same rank), or with `reshard` its pieces from the
+                                             P processes holding them; the Future completes
+                                             when the leader's own pull and every follower's
+                                             `pulled` ack are in
         scatter(room, pages)                 D: insert the pulled pages into the pool
         drop(room)                           D: forget the room's pulled arrays (failure / end)
 
@@ -131,10 +138,17 @@ class LeaderMirror:
         self.server.broadcast(msg)
 
     # ------------------------------------------------------------------ P
-    def register(self, room: int, page_ids: list[int], uuid: int, expire_s: float) -> None:
+    def register(self, room: int, page_ids: list[int], uuid: int, expire_s: float,
+                 target: dict[str, Any] | None = None) -> None:
         self._registered.add(room)
         self.broadcast({"op": "p_register", "room": room, "page_ids": list(page_ids),
-                        "uuid": int(uuid), "expire_s": float(expire_s)})
+                        "uuid": int(uuid), "expire_s": float(expire_s), "target": target})
+
+    def recut(self, room: int, uuid: int, expire_s: float, target: dict[str, Any]) -> None:
+        """P: cut the room's registered shards for D layout `target` (D's want came after the
+        registration) and register the pieces under `uuid`."""
+        self.broadcast({"op": "p_recut", "room": room, "uuid": int(uuid),
+                        "expire_s": float(expire_s), "target": target})
 
     def release(self, room: int) -> None:
         if room in self._registered:
@@ -143,13 +157,14 @@ class LeaderMirror:
 
     # ------------------------------------------------------------------ D
     def pull(self, room: int, peer: str, uuid: int, num_pages: int, timeout_s: float,
-             local: cf.Future) -> cf.Future:
+             local: cf.Future, reshard: dict[str, Any] | None = None) -> cf.Future:
         group = _PullGroup(room, self.followers, local,
                            time.monotonic() + timeout_s + ACK_GRACE_S)
         with self._lock:
             self._groups[room] = group
         self.broadcast({"op": "d_pull", "room": room, "peer": peer, "uuid": int(uuid),
-                        "num_pages": int(num_pages), "timeout_s": float(timeout_s)})
+                        "num_pages": int(num_pages), "timeout_s": float(timeout_s),
+                        "reshard": reshard})
         return group.future
 
     def scatter(self, room: int | None, page_ids: list[int], skip: int = 0) -> None:

@@ -28,3 +28,10 @@ def build_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={tp}"
         )
     return Mesh(np.array(devs[:tp]), (AXIS,))
+
+
+def local_process_index(mesh: Mesh) -> int:
+    """This process's index among the processes `mesh` spans (0 for one process): the numbering
+    of a KV layout's `shard_processes`."""
+    procs = sorted({int(d.process_index) for d in mesh.devices.flat})
+    return procs.index(jax.process_index()) if jax.process_index() in procs else 0
