@@ -1,7 +1,7 @@
 """KV data-plane benchmark: transfer pull vs raw TCP, scatter (XLA) vs NumPy memcpy.
 
     python benchmarks/bench_transfer.py [--sizes-mb 1 16 64 256] [--chunk-mb 4] [--reps 5]
-        [--sockets 4] [--transfer-size-mb 1] [--raw-buffers auto|true|false]
+        [--sockets 4] [--transfer-size-mb 1] [--raw-buffers auto|true|false] [--hetero]
 
 One run measures, on this machine, with baselines taken in the same run:
   1. pull throughput of JaxTransferKVEngine (a P process started here registers packed arrays of
@@ -12,6 +12,12 @@ One run measures, on this machine, with baselines taken in the same run:
   4. scatter throughput of pdtopo.kernels.insert_kv_chunks (XLA impl) vs NumPy fancy-index
      assignment of the same pages (goal >= 0.5x).
 Medians over `reps` after one warm-up per size. The peer is this file with --serve.
+
+--hetero measures only the reshard instead: a tp=1 D (this process) takes the same KV bytes from
+a tp=1 P (registered as is, scattered as is: the baseline) and from a tp=2 P (one piece per P
+shard, written into head ranges of the pool: `pdtopo.runtime.disagg.reshard_arrays`,
+`jax_transfer.scatter_pieces`), interleaved, timed from the pull's start until the pages are in
+D's pool; goal >= 0.8x of the baseline. The peers are this file with --serve-kv TP.
 """
 
 from __future__ import annotations
@@ -145,6 +151,158 @@ def bench_pull(sizes_mb, chunk_mb, reps, sockets, transfer_size_mb, raw_buffers)
             peer.wait()
 
 
+# ----------------------------------------------------------------------------- --hetero
+HETERO_PAGE, HETERO_HEADS, HETERO_HEAD_DIM, HETERO_ENTRIES = 16, 8, 128, 8  # 512 KB a page
+
+
+def serve_kv(tp: int, sockets: int, transfer_size_mb: float, raw_buffers: str) -> None:
+    """P for --hetero: packed KV [n, page, heads, head_dim] x entries sharded over `tp`
+    devices, registered as is for a D laid out alike, else cut into that D's pieces."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces, same_layout
+    from pdtopo.runtime.disagg.reshard_arrays import register_parts
+    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+
+    engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=transfer_size_mb,
+                                 raw_buffers=_flag(raw_buffers))
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:tp]), ("tp",)),
+                             PartitionSpec(None, None, "tp", None))
+    mine = KVShardLayout(HETERO_HEADS, HETERO_HEADS, tp, (0,) * tp)
+    print(json.dumps({"addr": engine.address}), flush=True)
+    room = 0
+    for line in sys.stdin:
+        c = json.loads(line)
+        if c["cmd"] == "quit":
+            break
+        shape = (c["pages"], HETERO_PAGE, HETERO_HEADS, HETERO_HEAD_DIM)
+        packed = [jax.device_put(np.full(shape, e, np.float32), sharding)
+                  for e in range(HETERO_ENTRIES)]
+        jax.block_until_ready(packed)
+        d = KVShardLayout(HETERO_HEADS, HETERO_HEADS, c["d_tp"], (0,) * c["d_tp"])
+        room += 1
+        uuid = engine.new_uuid()
+        if same_layout(mine, d):
+            engine.register(room, packed, 120, uuid=uuid)
+        else:
+            register_parts(engine, room, packed, mine, plan_pieces(mine, d), 0, uuid, 120)
+        print(json.dumps({"uuid": uuid}), flush=True)
+        engine.release(room)  # the server keeps its own reference until pulled
+    engine.close()
+
+
+def bench_hetero(sizes_mb, reps, sockets, transfer_size_mb, raw_buffers) -> list[dict]:
+    """D (tp=1, this process) takes the same KV bytes from a tp=1 P (pulled as is, scattered
+    with insert_kv_chunks) and from a tp=2 P (one piece per P shard, written straight into
+    head ranges of the pool by scatter_pieces), interleaved; timed from the pull's start
+    until the pages are in D's pool."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from pdtopo.kernels import insert_kv_chunks
+    from pdtopo.runtime.disagg.base import PoolTransferSpec
+    from pdtopo.runtime.disagg.jax_transfer import scatter_pieces
+    from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces
+    from pdtopo.runtime.disagg.reshard_arrays import piece_specs, pull_parts
+    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+
+    peers = {}
+    for tp in (1, 2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={tp}")
+        peers[tp] = subprocess.Popen(
+            [sys.executable, __file__, "--serve-kv", str(tp), "--sockets", str(sockets),
+             "--transfer-size-mb", str(transfer_size_mb), "--raw-buffers", raw_buffers],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        addrs = {tp: json.loads(p.stdout.readline())["addr"] for tp, p in peers.items()}
+        engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=transfer_size_mb,
+                                     raw_buffers=_flag(raw_buffers))
+        sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("tp",)),
+                                 PartitionSpec(None, None, "tp", None))
+        d_layout = KVShardLayout(HETERO_HEADS, HETERO_HEADS, 1, (0,))
+        p_layout = KVShardLayout(HETERO_HEADS, HETERO_HEADS, 2, (0, 0))
+        pieces = plan_pieces(p_layout, d_layout)
+        page_bytes = HETERO_PAGE * HETERO_HEADS * HETERO_HEAD_DIM * 4 * HETERO_ENTRIES
+        most = max(1, round(max(sizes_mb) * (1 << 20) / page_bytes))
+        pool_shape = (most + 1, HETERO_PAGE, HETERO_HEADS, HETERO_HEAD_DIM)
+        state = {"pool": [jax.device_put(np.zeros(pool_shape, np.float32), sharding)
+                          for _ in range(HETERO_ENTRIES)]}
+        spec = PoolTransferSpec.from_kv_caches(state["pool"])
+
+        def scatter(kv, packed, ids):
+            return insert_kv_chunks(kv, packed, ids, impl="xla")
+
+        rows = []
+        for mb in sizes_mb:
+            n = max(1, round(mb * (1 << 20) / page_bytes))
+            nbytes = n * page_bytes
+            pages = list(range(1, n + 1))
+
+            def register(tp: int, n: int = n) -> int:
+                peers[tp].stdin.write(json.dumps({"cmd": "reg", "pages": n, "d_tp": 1}) + "\n")
+                peers[tp].stdin.flush()
+                return json.loads(peers[tp].stdout.readline())["uuid"]
+
+            def homo(n: int = n, pages: list[int] = pages) -> float:
+                uuid = register(1)
+                specs = [jax.ShapeDtypeStruct((n, HETERO_PAGE, HETERO_HEADS, HETERO_HEAD_DIM),
+                                              np.float32, sharding=sharding)] * HETERO_ENTRIES
+                t0 = time.perf_counter()
+                got = engine.pull(addrs[1], uuid, specs, 120, room=uuid).result()
+                state["pool"] = scatter(state["pool"], got, pages)
+                jax.block_until_ready(state["pool"])
+                dt = time.perf_counter() - t0
+                assert float(state["pool"][-1][n, 0, -1, 0]) == HETERO_ENTRIES - 1, "wrong data"
+                return dt
+
+            def hetero(n: int = n, pages: list[int] = pages) -> float:
+                uuid = register(2)
+
+                def specs_of(group):
+                    return piece_specs(n, HETERO_PAGE, HETERO_HEAD_DIM, np.float32,
+                                       HETERO_ENTRIES, group, sharding, d_layout)
+
+                t0 = time.perf_counter()
+                got = pull_parts(engine, uuid, [addrs[2]], uuid, pieces, 0, HETERO_ENTRIES,
+                                 specs_of, 120).result()
+                state["pool"] = scatter_pieces(state["pool"], got, list(pieces), pieces,
+                                               d_layout, spec, pages, 0, scatter)
+                jax.block_until_ready(state["pool"])
+                dt = time.perf_counter() - t0
+                assert float(state["pool"][-1][n, 0, -1, 0]) == HETERO_ENTRIES - 1, "wrong data"
+                return dt
+
+            for _ in range(2):  # warm-up: compiles, connections
+                state["pool"] = [jax.device_put(np.zeros(pool_shape, np.float32), sharding)
+                                 for _ in range(HETERO_ENTRIES)]
+                homo()
+                state["pool"] = [jax.device_put(np.zeros(pool_shape, np.float32), sharding)
+                                 for _ in range(HETERO_ENTRIES)]
+                hetero()
+            th, tx = [], []
+            for _ in range(reps):  # interleaved: both see the same machine state
+                th.append(homo())
+                tx.append(hetero())
+            h, x = statistics.median(th), statistics.median(tx)
+            rows.append({"mb": nbytes / (1 << 20), "pages": n, "homo_gbs": nbytes / h / 1e9,
+                         "hetero_gbs": nbytes / x / 1e9, "ratio": h / x})
+        engine.close()
+        return rows
+    finally:
+        for p in peers.values():
+            try:
+                p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                p.stdin.flush()
+                p.wait(timeout=20)
+            except Exception:
+                pass
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def _flag(value: str) -> str | bool:
     return value if value == "auto" else value == "true"
 
@@ -196,12 +354,32 @@ def main() -> None:
     ap.add_argument("--transfer-size-mb", type=float, default=1, help="transfer_size_mb")
     ap.add_argument("--raw-buffers", choices=("auto", "true", "false"), default="auto",
                     help="transfer_raw_buffers")
+    ap.add_argument("--hetero", action="store_true",
+                    help="only the reshard comparison: pull from a tp=2 P into a tp=1 D vs "
+                         "tp=1 -> tp=1, the same KV bytes")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-kv", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.serve:
         serve(args.sockets, args.transfer_size_mb, args.raw_buffers)
+        return
+    if args.serve_kv:
+        serve_kv(args.serve_kv, args.sockets, args.transfer_size_mb, args.raw_buffers)
+        return
+    if args.hetero:
+        print(f"KV pull + scatter into a tp=1 D's pool: from a tp=2 P (resharded: one piece per "
+              f"P shard, written into head ranges) vs from a tp=1 P (baseline, as is); "
+              f"{HETERO_ENTRIES} entries of "
+              f"{HETERO_HEADS} heads x {HETERO_HEAD_DIM}, pages of {HETERO_PAGE}; median of "
+              f"{args.reps}, interleaved")
+        print(f"{'size MB':>8} {'pages':>6} {'tp1->tp1 GB/s':>14} {'tp2->tp1 GB/s':>14} "
+              f"{'ratio':>6}  goal")
+        for r in bench_hetero(args.sizes_mb, args.reps, args.sockets, args.transfer_size_mb,
+                              args.raw_buffers):
+            print(f"{r['mb']:8.0f} {r['pages']:6d} {r['homo_gbs']:14.2f} "
+                  f"{r['hetero_gbs']:14.2f} {r['ratio']:6.2f}  >=0.8")
         return
     print(f"KV pull (jax.experimental.transfer, {args.sockets} transport sockets, "
           f"{args.chunk_mb:g} MB arrays, transfer_size {args.transfer_size_mb:g} MB, raw buffers "

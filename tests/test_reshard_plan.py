@@ -154,3 +154,46 @@ def test_cut_then_assemble_equals_the_layout_conversion(p_tp, p_pool, d_tp, d_po
         assert got.sharding == d_sharding
         np.testing.assert_array_equal(np.asarray(got), np.repeat(e, d_pool // model, axis=2))
     assert sum(x.nbytes for x in moved) == len(entries) * 3 * 2 * d_pool * 8 * 4
+
+
+@pytest.mark.parametrize("p_tp,p_pool,d_tp,d_pool,model", [
+    (2, 4, 1, 4, 4),      # uniform: straight into head ranges
+    (1, 4, 2, 4, 4),
+    (4, 4, 1, 2, 2),      # replicated on P
+    (2, 6, 3, 6, 6),      # D shard 1 takes a head from each P shard: joined first
+])
+def test_scatter_pieces_writes_what_the_layout_conversion_gives(p_tp, p_pool, d_tp, d_pool,
+                                                                model):
+    from pdtopo.runtime.disagg.base import PoolTransferSpec
+    from pdtopo.runtime.disagg.jax_transfer import scatter_pieces
+    from pdtopo.runtime.disagg.reshard_arrays import slot_offsets, zero_pieces
+
+    devices = jax.devices()
+    p_layout, d_layout = lay(model, p_pool, p_tp), lay(model, d_pool, d_tp)
+    spec = P(None, None, "tp", None)
+    p_sharding = NamedSharding(Mesh(np.array(devices[:p_tp]), ("tp",)), spec)
+    d_sharding = NamedSharding(Mesh(np.array(devices[-d_tp:]), ("tp",)), spec)
+    pieces = plan_pieces(p_layout, d_layout)
+    assert (slot_offsets(pieces, d_layout) is None) == (d_tp == 3)
+    rng = np.random.default_rng(0)
+    entries = [rng.standard_normal((3, 2, model, 8)).astype(np.float32) for _ in range(2)]
+    packed = [jax.device_put(np.repeat(e, p_pool // model, axis=2), p_sharding)
+              for e in entries]
+    d_devices = list(d_sharding.mesh.devices.flat)
+    landed = [jax.device_put(x, d_devices[pc.d_shard]) for x, pc in
+              zip(cut_pieces(packed, p_layout, pieces), list(pieces) * 2, strict=True)]
+    pool = [jax.device_put(np.zeros((8, 2, d_pool, 8), np.float32), d_sharding)
+            for _ in range(2)]
+    spec_d = PoolTransferSpec.from_kv_caches(pool)
+    assert len(zero_pieces(3, spec_d, d_layout, pieces, 2)) == len(landed)
+
+    def fallback(kv, p, ids):
+        return [k.at[np.asarray(ids)].set(x) for k, x in zip(kv, p, strict=True)]
+
+    out = scatter_pieces(pool, landed, list(pieces), pieces, d_layout, spec_d, [6, 1, 4], 0,
+                         fallback)
+    for got, e in zip(out, entries, strict=True):
+        want = np.zeros((8, 2, d_pool, 8), np.float32)
+        want[[6, 1, 4]] = np.repeat(e, d_pool // model, axis=2)
+        assert got.sharding == d_sharding
+        np.testing.assert_array_equal(np.asarray(got), want)

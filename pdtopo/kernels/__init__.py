@@ -129,3 +129,29 @@ def insert_kv_chunks(kv_caches, packed, page_ids, impl: str = "auto",
                                      shardings=shardings)
         return list(out)
     return list(pallas_multi_layer_copy.multi_layer_copy(pool, packed, ids, interpret=interpret))
+
+
+def insert_kv_pieces(kv_caches, slots, page_ids, offsets) -> list[jax.Array]:
+    """Write a reshard's piece slots into head ranges of the pool at ``page_ids`` (XLA, every
+    platform); returns the new pool (input donated). ``slots[i]`` holds entry i's pieces, each
+    sharded like the pool with the same heads per device; ``offsets[k]`` is slot k's first
+    local head on every device."""
+    pool = _check_pool(kv_caches)
+    ids = _runs.validate_page_ids(page_ids, pool[0].shape[0], unique=True)
+    shardings = _pool_shardings(pool)
+    if shardings is None:
+        raise ValueError("insert_kv_pieces needs a pool with a NamedSharding")
+    if len(slots) != len(pool) or any(len(e) != len(offsets) for e in slots):
+        raise ValueError(f"slots must hold {len(offsets)} pieces for each of {len(pool)} "
+                         "entries")
+    for entry in slots:
+        for pc in entry:
+            if pc.shape[0] != len(ids) or pc.shape[1] != pool[0].shape[1] or \
+                    pc.shape[3] != pool[0].shape[3]:
+                raise ValueError(f"piece shape {pc.shape} does not fit {len(ids)} pages of "
+                                 f"the pool {pool[0].shape}")
+    if len(ids) == 0:
+        return list(pool)
+    return list(xla_copy.scatter_piece_pages(
+        pool, tuple(tuple(e) for e in slots), np.asarray(ids, dtype=np.int32),
+        tuple(int(o) for o in offsets), shardings[0]))

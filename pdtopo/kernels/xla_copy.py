@@ -8,6 +8,11 @@ Scatter: kv_caches[i].at[ids_padded].set(packed_padded[i], mode="drop") with the
          padding ids point one past the pool (``num_pages``) so padded rows are dropped and no
          real page is touched.
 
+Pieces:  `scatter_piece_pages` writes a reshard's pieces straight into head ranges of the
+         pool (per device, under shard_map: every device writes its own pieces at the same
+         local head offsets), skipping the join of the pieces into packed arrays; one executable
+         per page count (no padding: the pieces are written as pulled).
+
 Sharding: the pool's sharding (e.g. heads over "tp") is passed as a static argument and
 imposed on the results with ``with_sharding_constraint``, so packed arrays come out sharded
 like the pool and the scattered pool keeps its layout.
@@ -62,3 +67,23 @@ def pad_leading(xs: tuple, bucket: int, shardings=None) -> tuple:
     TRACE_COUNTS["pad_leading"] += 1
     out = tuple(jnp.pad(x, [(0, bucket - x.shape[0])] + [(0, 0)] * (x.ndim - 1)) for x in xs)
     return _constrain(out, shardings)
+
+
+@functools.partial(jax.jit, static_argnames=("offsets", "sharding"), donate_argnums=(0,))
+def scatter_piece_pages(kv_caches: tuple, slots: tuple, ids, offsets: tuple, sharding) -> tuple:
+    """Pool entries with piece slot k of entry i written at local heads
+    ``[offsets[k], offsets[k] + heads_k)`` of pages ``ids`` on every device of the pool's
+    mesh. ``slots[i][k]`` is sharded like the pool (heads_k per device)."""
+    TRACE_COUNTS["scatter_pieces"] += 1
+    spec = sharding.spec
+
+    def local(kvs, pieces, ids):
+        out = []
+        for kv, entry in zip(kvs, pieces, strict=True):
+            for off, pc in zip(offsets, entry, strict=True):
+                kv = kv.at[ids, :, off:off + pc.shape[2]].set(pc.astype(kv.dtype))
+            out.append(kv)
+        return tuple(out)
+
+    return jax.shard_map(local, mesh=sharding.mesh, in_specs=(spec, spec, jax.sharding.PartitionSpec()),
+                         out_specs=spec)(kv_caches, slots, ids)

@@ -106,6 +106,29 @@ def _pool_layout(spec: PoolTransferSpec) -> KVShardLayout:
                          shard_processes=(0,) * shards)
 
 
+def scatter_pieces(kv_caches: list[Any], pulled: list[Any], mine: list[Any],
+                   pieces: tuple[Any, ...], layout: KVShardLayout, pool: PoolTransferSpec,
+                   page_ids: list[int], skip: int, scatter_fn: ScatterFn) -> list[Any]:
+    """The pool with a reshard's pulled pieces (`mine`, this process's) written at `page_ids`.
+    When every D shard takes the same pieces (decided on the whole plan, so that every process
+    of a multi-process D runs the same program) they go straight into head ranges of the pool
+    (`insert_kv_pieces`); otherwise they are joined into packed arrays first (`assemble`) and
+    go through `scatter_fn`."""
+    from pdtopo.kernels import insert_kv_pieces  # deferred: JAX
+    from pdtopo.runtime.disagg.reshard_arrays import assemble, piece_slots, slot_offsets
+
+    offsets = slot_offsets(pieces, layout)
+    if offsets is None:
+        packed = assemble(pulled, mine, layout, pool.sharding, pool.num_entries)
+        if skip:
+            packed = [a[skip:] for a in packed]
+        return scatter_fn(kv_caches, packed, page_ids)
+    slots = piece_slots(pulled, mine, layout, pool.sharding, pool.num_entries)
+    if skip:
+        slots = [[a[skip:] for a in entry] for entry in slots]
+    return insert_kv_pieces(kv_caches, slots, page_ids, offsets)
+
+
 def instance_transfer_addrs(ctx: Any) -> list[str] | None:
     """The transfer address of every process of this process's instance, by process index
     (from the plan); None for a single-process instance."""
@@ -279,7 +302,8 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
         self.pulled_bytes = 0
         self._drop = 0                           # leading pulled pages D already holds
         self.times: dict[str, float] = {}        # stage -> time.monotonic() (pd_metrics)
-        self._reshard: tuple[Any, KVShardLayout] | None = None  # (pieces, P's layout)
+        # a reshard: (this process's pieces, every D process's pieces)
+        self._reshard: tuple[list[Any], tuple[Any, ...]] | None = None
         self.peer = mgr.channel.send_to(self.bootstrap_addr, m.Want(
             room=room, cached_pages=self.cached_pages,
             prefix_hash=prefix_hash if self.cached_pages else None,
@@ -351,9 +375,9 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
             self.pulled_pages = count
             self.times["pull_start"] = time.monotonic()
             if reshard:
-                self._future, pieces = self.mgr._pull_reshard(msg, p_layout, count, remaining,
-                                                              room=self.room)
-                self._reshard = (pieces, p_layout)
+                self._future, mine, pieces = self.mgr._pull_reshard(
+                    msg, p_layout, count, remaining, room=self.room)
+                self._reshard = (mine, pieces)
             else:
                 self._future = self.mgr._pull(msg, main.packed_specs(count), remaining,
                                               room=self.room)
@@ -382,8 +406,10 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                 packed = self._future.result()
                 self.pulled_bytes = sum(int(a.nbytes) for a in packed)
                 if self._reshard is not None:
-                    packed = self.mgr._assemble(packed, self._reshard[0])
-                self.mgr._scatter(packed, self.page_ids, room=self.room, skip=self._drop)
+                    self.mgr._scatter_reshard(packed, *self._reshard, self.page_ids,
+                                              room=self.room, skip=self._drop)
+                else:
+                    self.mgr._scatter(packed, self.page_ids, room=self.room, skip=self._drop)
             except Exception as e:
                 self._fail(KVTransferError(f"room {self.room}: inserting the pulled KV into "
                                            f"the pool failed: {e}", status=500), notify=True)
@@ -515,16 +541,21 @@ class JaxTransferKVManager(BaseKVManager):
                          for s in spec.packed_specs(n)]
                 self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, zeros, pages)
                 jax.block_until_ready(self.runner.kv_caches)
-        others = [p for p in dict.fromkeys(peer_layouts) if not same_layout(p, self.layout)]
-        if others:
-            from pdtopo.runtime.disagg.reshard_arrays import warm  # deferred: JAX
+        from pdtopo.runtime.disagg.reshard_arrays import warm_cuts, zero_pieces  # JAX
 
+        for peer in dict.fromkeys(peer_layouts):
+            if same_layout(peer, self.layout):
+                continue
             if role == "prefill":
-                warm(role, counts, spec, self.layout, others,
-                     lambda d: plan_pieces(self.layout, d))
-            else:
-                warm(role, counts, spec, self.layout, others,
-                     lambda p: plan_pieces(p, self.layout))
+                warm_cuts(counts, spec, self.layout, plan_pieces(self.layout, peer))
+                continue
+            pieces = plan_pieces(peer, self.layout)
+            for n in counts:
+                zeros = zero_pieces(n, spec, self.layout, pieces, spec.num_entries)
+                self.runner.kv_caches = scatter_pieces(
+                    self.runner.kv_caches, zeros, list(pieces), pieces, self.layout, spec,
+                    list(range(1, n + 1)), 0, self.scatter_fn)
+                jax.block_until_ready(self.runner.kv_caches)
         return len(counts)
 
     def create_sender(self, room: int) -> JaxTransferKVSender:
@@ -711,10 +742,10 @@ class JaxTransferKVManager(BaseKVManager):
                                     + "; refusing to pull (would be wrong data)", status=500)
 
     def _pull_reshard(self, msg: m.Ready, p_layout: KVShardLayout, count: int,
-                      timeout_s: float, *, room: int) -> tuple[Any, list[Any]]:
+                      timeout_s: float, *, room: int) -> tuple[Any, list[Any], tuple[Any, ...]]:
         """D: pull this process's pieces of `msg`'s KV from every P process holding some
         (and have the instance's other processes pull theirs); (Future of the pulled pieces,
-        this process's pieces)."""
+        this process's pieces, every piece of the plan)."""
         from pdtopo.runtime.disagg.reshard_arrays import (  # deferred: JAX
             piece_specs,
             pieces_of_d_process,
@@ -742,13 +773,21 @@ class JaxTransferKVManager(BaseKVManager):
             fut = self.mirror.pull(room, msg.transfer_addr, msg.transfer_uuid, count,
                                    timeout_s, fut, reshard={"p_layout": p_layout.to_dict(),
                                                             "p_addrs": p_addrs})
-        return fut, mine
+        return fut, mine, pieces
 
-    def _assemble(self, pulled: list[Any], pieces: Any) -> list[Any]:
-        from pdtopo.runtime.disagg.reshard_arrays import assemble  # deferred: JAX
-
-        main = self.args.main
-        return assemble(pulled, pieces, self.layout, main.sharding, main.num_entries)
+    def _scatter_reshard(self, pulled: list[Any], mine: list[Any], pieces: tuple[Any, ...],
+                         page_ids: list[int] | None, room: int | None = None,
+                         skip: int = 0) -> None:
+        """D: insert a reshard's pulled pieces into `page_ids` (after dropping `skip` leading
+        pages): see `scatter_pieces`."""
+        if self.runner is None:
+            raise KVTransferError("no runner registered (call register_runner)")
+        assert page_ids is not None
+        if self.mirror is not None:
+            self.mirror.scatter(room, page_ids, skip)
+        self.runner.kv_caches = scatter_pieces(self.runner.kv_caches, pulled, mine, pieces,
+                                               self.layout, self.args.main, page_ids, skip,
+                                               self.scatter_fn)
 
     def _pull(self, msg: m.Ready, specs: list[Any], timeout_s: float, *, room: int) -> Any:
         """Start D's pull of `msg`'s KV; a Future of the pulled packed arrays."""

@@ -9,8 +9,9 @@ A piece is one single-device array: on P it is its P shard's buffer (a whole sha
 is) or a slice of it along heads (a copy on that device); jax.experimental.transfer moves each to
 the device of its D shard. D concatenates the pieces of a shard along heads (nothing to do
 when one piece fills it) and joins the shards into an array with its pool's sharding, ready for
-the ordinary scatter. Slices and concatenations compile once per page count; both sides warm
-the counts a request can have before serving (`warm`).
+the ordinary scatter, or (`slot_offsets`: every D shard takes the same pieces) writes them straight
+into head ranges of the pool (`jax_transfer.scatter_pieces`). Slices, joins and piece scatters
+compile once per page count; both sides warm the counts a request can have before serving.
 """
 
 from __future__ import annotations
@@ -97,27 +98,59 @@ def assemble(pulled: Sequence[jax.Array], pieces: Sequence[Piece], d_layout: KVS
     return out
 
 
-def warm(role: str, counts: Sequence[int], pool_spec: Any, mine: KVShardLayout,
-         peers: Sequence[KVShardLayout], pieces_for: Any) -> int:
-    """Compile the cuts (P) or concatenations (D) of every page count in `counts` for each
-    peer layout that differs from `mine`; `pieces_for(peer)` plans them. Returns the number of
-    (peer, count) pairs warmed."""
-    done = 0
+def slot_offsets(pieces: Sequence[Piece], d_layout: KVShardLayout) -> tuple[int, ...] | None:
+    """When every D shard takes the same pieces (the same head offsets and sizes, as for tp
+    sizes that divide each other): slot k's local head offset on every shard; else None."""
+    by_shard: dict[int, list[tuple[int, int]]] = {}
+    for pc in pieces:
+        by_shard.setdefault(pc.d_shard, []).append((pc.d_offset, pc.heads))
+    shapes = set(map(tuple, by_shard.values()))
+    if len(shapes) != 1:
+        return None
+    return tuple(off for off, _ in next(iter(shapes)))
+
+
+def piece_slots(pulled: Sequence[jax.Array], pieces: Sequence[Piece], d_layout: KVShardLayout,
+                d_sharding: Any, num_entries: int) -> list[list[jax.Array]]:
+    """D: per entry, one array per slot, sharded like the pool (this process's shards of it):
+    the pulled pieces themselves, no copy. Needs `slot_offsets(...)` to be not None."""
+    per = len(pieces)
+    devices = shard_devices(d_sharding, d_layout.shards)
+    out = []
+    for e in range(num_entries):
+        slots: dict[int, list[jax.Array]] = {}
+        seen: dict[int, int] = {}
+        for pc, x in zip(pieces, pulled[e * per:(e + 1) * per], strict=True):
+            k = seen.get(pc.d_shard, 0)
+            seen[pc.d_shard] = k + 1
+            slots.setdefault(k, []).append(jax.device_put(x, devices[pc.d_shard]))
+        entry = []
+        for k in sorted(slots):
+            n, page, heads, hd = slots[k][0].shape
+            entry.append(jax.make_array_from_single_device_arrays(
+                (n, page, heads * d_layout.shards, hd), d_sharding, slots[k]))
+        out.append(entry)
+    return out
+
+
+def warm_cuts(counts: Sequence[int], pool_spec: Any, mine: KVShardLayout,
+              pieces: Sequence[Piece]) -> None:
+    """P: compile the cuts of `pieces` for every page count in `counts`."""
     _, page, heads, hd = pool_spec.shape
-    for peer in peers:
-        pieces = pieces_for(peer)
-        for n in counts:
-            if role == "prefill":
-                packed = jax.device_put(np.zeros((n, page, heads, hd), pool_spec.dtype),
-                                        pool_spec.sharding)
-                jax.block_until_ready(cut_pieces([packed], mine, pieces))
-            else:
-                devices = shard_devices(pool_spec.sharding, mine.shards)
-                pulled = [jax.device_put(np.zeros((n, page, pc.heads, hd), pool_spec.dtype),
-                                         devices[pc.d_shard]) for pc in pieces]
-                jax.block_until_ready(assemble(pulled, pieces, mine, pool_spec.sharding, 1))
-            done += 1
-    return done
+    for n in counts:
+        packed = jax.device_put(np.zeros((n, page, heads, hd), pool_spec.dtype),
+                                pool_spec.sharding)
+        jax.block_until_ready(cut_pieces([packed], mine, pieces))
+
+
+def zero_pieces(n: int, pool_spec: Any, mine: KVShardLayout, pieces: Sequence[Piece],
+                num_entries: int) -> list[jax.Array]:
+    """D: zero arrays shaped and placed like the pulled `pieces` of `n` pages (warmup)."""
+    _, page, _, hd = pool_spec.shape
+    devices = shard_devices(pool_spec.sharding, mine.shards)
+    return [jax.device_put(np.zeros((n, page, pc.heads, hd), pool_spec.dtype),
+                           devices[pc.d_shard])
+            for _ in range(num_entries) for pc in pieces]
 
 
 # ----------------------------------------------------------------------------- transfer parts

@@ -41,10 +41,10 @@ from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
 from pdtopo.runtime.compilation_cache import enable_compilation_cache
 from pdtopo.runtime.disagg.base import PoolTransferSpec
+from pdtopo.runtime.disagg.jax_transfer import scatter_pieces
 from pdtopo.runtime.disagg.mixin_base import model_identity
 from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces
 from pdtopo.runtime.disagg.reshard_arrays import (
-    assemble,
     piece_specs,
     pieces_of_d_process,
     pull_parts,
@@ -110,7 +110,8 @@ class Follower:
         self.layout = KVShardLayout.from_dict(runner.kv_layout())
         self.process_index = local_process_index(runner.mesh)
         self.pulls: dict[int, cf.Future] = {}
-        self.pieces: dict[int, list[Any]] = {}  # room -> this process's pieces (a reshard)
+        # room -> (this process's pieces, every piece) of a reshard
+        self.pieces: dict[int, tuple[list[Any], tuple[Any, ...]]] = {}
         self._resolver = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-rank")
         self.num_commands = 0
         self.num_forward = 0
@@ -216,9 +217,9 @@ class Follower:
         except Exception as exc:
             fut = cf.Future()
             fut.set_exception(exc)
-            mine = []
+            mine, pieces = [], ()
         self.pulls[room] = fut
-        self.pieces[room] = mine
+        self.pieces[room] = (mine, pieces)
 
         def report(f: cf.Future) -> None:
             exc = f.exception()
@@ -237,8 +238,10 @@ class Follower:
                                "pulled; this process's shards of the request are missing")
         packed, skip = fut.result(), int(msg.get("skip", 0))
         if pieces is not None:
-            packed = assemble(packed, pieces, self.layout, self.pool.sharding,
-                              self.pool.num_entries)
+            self.runner.kv_caches = scatter_pieces(
+                self.runner.kv_caches, packed, *pieces, self.layout, self.pool, msg["page_ids"],
+                skip, lambda kv, p, ids: insert_kv_chunks(kv, p, ids, impl=self.kernels_impl))
+            return
         if skip:  # pages D's prefix cache already holds: pulled, not written
             packed = [a[skip:] for a in packed]
         self.runner.kv_caches = insert_kv_chunks(self.runner.kv_caches, packed,
