@@ -197,7 +197,7 @@ def check_packed_meta(announced: PackedMeta, expected: PackedMeta) -> None:
     if not sharding_meta_equal(announced.sharding, expected.sharding, len(expected.shape)):
         raise SpecMismatchError(
             f"pool {expected.name!r}: P announced sharding {announced.sharding}, this D's pool "
-            f"is sharded {expected.sharding}; refusing to pull (resharding is not implemented)",
+            f"is sharded {expected.sharding}; refusing to pull (P and D announced equal layouts, so the shardings must match)",
             status=500)
 
 
