@@ -118,7 +118,7 @@ def test_k8s_manifests_golden(tmp_path, topology):
     assert names == sorted(p.name for p in gdir.iterdir())
 
 
-@pytest.mark.parametrize("topology", ["1p1d_v6e16", "1p1d_v6e8", "2p2d"])
+@pytest.mark.parametrize("topology", ["1p1d_v6e16", "1p1d_v6e8", "2p2d", "1p2d_v6e8_hetero"])
 def test_k8s_manifests_validate_against_schemas(tmp_path, topology):
     objects = _objects(_render(tmp_path, f"topology={topology}"))
     kinds = sorted(o["kind"] for o in objects.values())
@@ -146,6 +146,25 @@ def test_k8s_manifests_validate_against_schemas(tmp_path, topology):
     lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(lws, LWS_SCHEMA)
+
+
+def test_heterogeneous_roles_get_their_own_chips_and_mesh(tmp_path):
+    """1p2d_v6e8_hetero: the prefill set asks for 4 TPU chips per pod and runs tp=4, the decode
+    set 2 chips per pod in 2 replicas with tp=2 (each role from its own topology section)."""
+    objects = _objects(_render(tmp_path, "topology=1p2d_v6e8_hetero"))
+    plan = json.loads(_kind(objects, "ConfigMap")[0]["data"]["plan.json"])
+    sets = {o["metadata"]["name"]: o for o in _kind(objects, "LeaderWorkerSet")}
+    got = {}
+    for name, lws in sets.items():
+        role = "prefill" if "prefill" in name else "decode"
+        tmpl = lws["spec"]["leaderWorkerTemplate"]
+        pod = (tmpl.get("leaderTemplate") or tmpl["workerTemplate"])["spec"]
+        limits = pod["containers"][0]["resources"]["limits"]
+        got[role] = (lws["spec"]["replicas"], int(limits["google.com/tpu"]))
+    assert got == {"prefill": (1, 4), "decode": (2, 2)}
+    meshes = {p["name"]: p["mesh"]["tp"] for p in plan["processes"]
+              if p["role"] in ("prefill", "decode")}
+    assert meshes == {"prefill_0": 4, "decode_0": 2, "decode_1": 2}
 
 
 def _expand(value: str, env: dict[str, str]) -> str:
