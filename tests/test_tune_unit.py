@@ -114,6 +114,11 @@ def test_v6e8_candidates_use_the_planner_and_the_model_check():
     assert pd["prefill_0"].chips == [0, 1, 2, 3] and pd["decode_0"].chips == [4, 5, 6, 7]
     assert pd["decode_0"].env["TPU_VISIBLE_CHIPS"] == "4,5,6,7"
     assert by_slug["colocated-tp1"].units == 1 and by_slug["dp2-tp4"].units == 8
+    # P and D of different TP (resharded): a tp=4 prefill feeding two tp=2 decode instances
+    het = by_slug["pd-1p4-2d2"]
+    assert het.error is None and het.units == 8, het.error
+    assert {p.name: p.mesh["tp"] for p in het.plan.processes if p.role in ("prefill", "decode")} \
+        == {"prefill_0": 4, "decode_0": 2, "decode_1": 2}
     with pytest.raises(Exception, match="tune.chips"):
         _candidates("topology=1p1d_v6e8", chips=16)
 

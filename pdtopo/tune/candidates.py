@@ -7,8 +7,8 @@ Families, for every tensor-parallel size t (powers of two up to the budget):
   colocated  one colocated instance of t chips (the reference server);
   dp         n >= 2 colocated instances of t chips behind the router (mode dp: the fair
              baseline for PD, the same chips without disaggregation);
-  pd         p prefill and d decode instances of t chips each (P and D share a TP size until
-             heterogeneous sharding lands).
+  pd         p prefill instances of t chips and d decode instances of t' chips (t' = t, or
+             another size: the KV is resharded on the way, docs/topology.md#heterogeneous-p-and-d).
 Each uses at most `budget` chips. A TPU topology keeps its accelerator (the planner checks
 that chip blocks and meshes fit its hosts); a CPU one gets `cpu-<budget>` emulated chips. The
 candidates are interleaved across families (largest first within one) and cut at
@@ -82,13 +82,16 @@ def candidate_overrides(topo: TopologySchema, acc: Accelerator, budget: int,
             families["dp"].append(Candidate(
                 f"dp{n}-tp{t}", "dp", f"{n}x colocated tp={t} behind the router", n * t,
                 (*base, "topology.mode=dp", *_role("colocated", n, t))))
-        for p in range(budget // t - 1, 0, -1):
-            for d in range(budget // t - p, 0, -1):
-                families["pd"].append(Candidate(
-                    f"pd-{p}p{t}-{d}d{t}", "pd", f"{p}P tp={t} + {d}D tp={t}", (p + d) * t,
-                    (*base, "topology.mode=pd", *_role("prefill", p, t), *_role("decode", d, t))))
+        for td in reversed(_tps(budget)):  # decode's TP: equal first, then resharded
+            for p in range(budget // t, 0, -1):
+                for d in range((budget - p * t) // td, 0, -1):
+                    families["pd"].append(Candidate(
+                        f"pd-{p}p{t}-{d}d{td}", "pd", f"{p}P tp={t} + {d}D tp={td}",
+                        p * t + d * td, (*base, "topology.mode=pd", *_role("prefill", p, t),
+                                         *_role("decode", d, td))))
     for fam in families.values():
-        fam.sort(key=lambda c: -c.chips)  # stable: larger TP first among equal chip counts
+        # stable: larger TP first among equal chip counts; P and D of one TP before mixed ones
+        fam.sort(key=lambda c: -c.chips)
     picked = [families[k] for k in ("colocated", "dp", "pd") if k in kinds]
     merged = [c for group in zip_longest(*picked) for c in group if c is not None]
     return merged[:max_candidates] if max_candidates else merged
