@@ -1,9 +1,11 @@
 """A warmed-up P and D pair (real runners, transfer servers and ZMQ side channel, no HTTP)
 serves prompts of every page count and batch size without compiling anything: the step
-shapes, the sampler and the KV gather / scatter are all compiled by the roles' warmups."""
+shapes, the sampler and the KV gather / scatter are all compiled by the roles' warmups; so are
+a reshard's cuts on P (tp=2) and piece scatters on D (tp=1)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import jax
@@ -25,20 +27,32 @@ OVERRIDES = ["model.num_layers=2", "engine.num_pages=96", "engine.page_size=8",
              "engine.max_prefill_tokens=64", "disaggregation.kv_timeout_s=20"]
 
 
-def _scheduler(cfg, role, tok):
-    ports = {"http": free_port(), "transfer": free_port(), "zmq": free_port()}
-    ctx = direct_process_context(cfg, role=role, name=f"{role}_0", extra={"ports": ports})
-    runner = ModelRunner(cfg.model, cfg.engine, build_mesh(1))
-    runner.warmup(**warmup_kinds(role))
+def _contexts(cfg, tps: dict[str, int]) -> dict:
+    """P and D contexts whose plan holds both (each warms for the other's layout)."""
+    ctxs = {role: direct_process_context(
+        cfg, role=role, name=f"{role}_0",
+        extra={"ports": {"http": free_port(), "transfer": free_port(), "zmq": free_port()},
+               "instance_id": f"{role}_0", "mesh": {"tp": tp}}) for role, tp in tps.items()}
+    plan = {"processes": [c.process for c in ctxs.values()]}
+    return {role: dataclasses.replace(c, plan=plan) for role, c in ctxs.items()}
+
+
+def _scheduler(ctx, tok):
+    cfg = ctx.cfg
+    runner = ModelRunner(cfg.model, cfg.engine, build_mesh(int(ctx.process["mesh"]["tp"])))
+    runner.warmup(**warmup_kinds(ctx.role))
     sched = make_scheduler(ctx, runner, tok)
     sched.warmup()
     return sched
 
 
-def test_warm_pd_pair_compiles_nothing_while_serving():
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1)], ids=["same-layout", "resharded"])
+def test_warm_pd_pair_compiles_nothing_while_serving(p_tp, d_tp):
     cfg = compose_config(OVERRIDES)
     tok = load_tokenizer(cfg.model)
-    p, d = _scheduler(cfg, "prefill", tok), _scheduler(cfg, "decode", tok)
+    ctxs = _contexts(cfg, {"prefill": p_tp, "decode": d_tp})
+    p, d = _scheduler(ctxs["prefill"], tok), _scheduler(ctxs["decode"], tok)
+    assert bool(p.decode_layouts) == (p_tp != d_tp)  # P waits for D's layout, cuts for it
     compiles: list[float] = []
 
     def on_event(event: str, duration: float, **_kw) -> None:
