@@ -120,9 +120,23 @@ def test_side_channel_layout_fields_round_trip_and_are_checked():
     want = m.decode(m.encode(m.Want(room=3, layout=layout)), 65536)
     assert want.layout == layout
     assert m.decode(m.encode(m.Want(room=3)), 65536).layout is None
+    ready = m.Ready(room=3, transfer_addr="h:1", transfer_uuid=5, expires_at=1.0, pools=(),
+                    prompt_len=0)
+    for addrs in (["h:1", ":5"], ["h:99999"], [], ["h:1", 7]):
+        raw = dict(m.to_dict(ready), pools=[{"name": "main_kv", "pool_type": "main_kv",
+                                             "dtype": "float32", "shape": [1, 4, 2, 8],
+                                             "num_entries": 4, "sharding": {"num_devices": 1}}],
+                   transfer_addrs=addrs)
+        with pytest.raises(m.MessageError, match="transfer_addrs"):
+            m.from_dict(raw)
     for bad, why in (({"tp": 2, "kv_heads": 3}, "multiple"),
                      ({"tp": "x", "kv_heads": 2}, "malformed"),
                      ({"tp": 2, "kv_heads": 2, "shard_processes": [0, 9]}, "process"),
+                     ({"tp": 2, "kv_heads": 2, "shard_processes": "01"}, "list of integers"),
+                     ({"tp": 1, "kv_heads": 0, "model_kv_heads": 2}, "kv_heads=0"),
+                     ({"tp": 1, "kv_heads": 1, "model_kv_heads": 2}, "at least"),
+                     ({"tp": 10**9, "kv_heads": 2}, "tp=1000000000"),
+                     ({"tp": 1e400, "kv_heads": 2}, "malformed"),
                      ({"kv_heads": 2}, "malformed")):
         raw = m.encode(m.Want(room=3, layout=bad))
         with pytest.raises(m.MessageError, match=why):

@@ -26,6 +26,7 @@ CASES = {
     "p4_to_d2": (4, 4, 2, 4, 4),
     "p4_replicated_to_d1": (4, 4, 1, 2, 2),   # P repeats each of 2 heads twice
     "p1_to_d4_replicated": (1, 2, 4, 4, 2),   # D repeats each of 2 heads twice
+    "p2_to_d4_replicated": (2, 2, 4, 4, 2),   # two D shards take the same whole P shard
 }
 
 

@@ -383,8 +383,10 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                                               room=self.room)
             if hasattr(self._future, "add_done_callback"):  # the pull thread's own end time
                 self._future.add_done_callback(self._pulled)
-        except KVTransferError as e:
-            self._fail(e, notify=True)
+        except Exception as e:  # whatever P announced, the scheduler thread goes on
+            err = e if isinstance(e, KVTransferError) else KVTransferError(
+                f"room {self.room}: cannot pull what P announced: {e!r}", status=500)
+            self._fail(err, notify=True)
             return
         self._state.advance(KVPoll.Transferring)
 
@@ -684,7 +686,9 @@ class JaxTransferKVManager(BaseKVManager):
 
             deadline = register_parts(self.engine, room, packed, self.layout, pieces,
                                       self.process_index, uuid, self.sender_expiry_s)
-            deadline = deadline or time.time() + self.sender_expiry_s
+            if deadline is None:  # nothing registered here: no expiry would ever end the room
+                raise KVTransferError(f"room {room}: this P process holds none of the pieces "
+                                      f"D ({target.to_dict()}) needs", status=500)
         else:
             uuid, deadline = self.engine.register(room, packed, self.sender_expiry_s, uuid=uuid)
         return m.Ready(room=room, transfer_addr=self.engine.address, transfer_uuid=uuid,
@@ -693,7 +697,16 @@ class JaxTransferKVManager(BaseKVManager):
                        first_token=first_token, first_logprob=first_logprob,
                        cached_tokens=int(cached_tokens), skip_pages=int(skip_pages),
                        p_stages=dict(p_stages or {}), layout=self.layout.to_dict(),
-                       transfer_addrs=list(self.process_transfer_addrs or []) or None)
+                       transfer_addrs=self._transfer_addrs())
+
+    def _transfer_addrs(self) -> list[str] | None:
+        """P's processes' transfer addresses by index (this one as its server says)."""
+        if not self.process_transfer_addrs:
+            return None
+        addrs = list(self.process_transfer_addrs)
+        if self.process_index < len(addrs):
+            addrs[self.process_index] = self.engine.address
+        return addrs
 
     def _recut(self, room: int, ready: m.Ready, sent_for: KVShardLayout,
                target: KVShardLayout) -> m.Ready:
@@ -716,13 +729,15 @@ class JaxTransferKVManager(BaseKVManager):
         uuid = self.engine.new_uuid()
         if self.mirror is not None:  # the other processes cut their registrations too
             self.mirror.recut(room, uuid, self.sender_expiry_s, target.to_dict())
-        deadline = register_parts(self.engine, room, packed, self.layout, pieces, 0, uuid,
-                                  self.sender_expiry_s)
+        deadline = register_parts(self.engine, room, packed, self.layout, pieces,
+                                  self.process_index, uuid, self.sender_expiry_s)
+        if deadline is None:
+            raise KVTransferError(f"room {room}: this P process holds none of the pieces "
+                                  f"D ({target.to_dict()}) needs", status=500)
         log.warning("room %s: D's want came after P registered the KV; registered D's layout "
                     "%s again (the first registration waits for its expiry)", room,
                     target.to_dict())
-        return replace(ready, transfer_uuid=uuid,
-                       expires_at=deadline or time.time() + self.sender_expiry_s)
+        return replace(ready, transfer_uuid=uuid, expires_at=deadline)
 
     def _check_reshard_meta(self, announced: PackedMeta, p_layout: KVShardLayout,
                             count: int) -> None:
@@ -737,6 +752,9 @@ class JaxTransferKVManager(BaseKVManager):
             problems.append(f"shape={shape} (this D: {want}; heads may differ)")
         elif shape[2] != p_layout.pool_heads:
             problems.append(f"{shape[2]} heads for a layout of {p_layout.pool_heads}")
+        if int(announced.sharding.get("num_devices", 1)) != p_layout.shards:
+            problems.append(f"sharding over {announced.sharding.get('num_devices')} devices "
+                            f"for a layout of {p_layout.shards} shards")
         if problems:
             raise SpecMismatchError(f"pool {main.name!r}: P announced " + ", ".join(problems)
                                     + "; refusing to pull (would be wrong data)", status=500)
@@ -755,8 +773,9 @@ class JaxTransferKVManager(BaseKVManager):
         main = self.args.main
         try:
             pieces = plan_pieces(p_layout, self.layout)
-        except ValueError as exc:
-            raise KVTransferError(f"room {room}: {exc}", status=500) from None
+        except Exception as exc:  # noqa: BLE001 - a layout P announced: report, never crash
+            raise KVTransferError(f"room {room}: no reshard from P's layout "
+                                  f"{p_layout.to_dict()}: {exc}", status=500) from None
         mine = pieces_of_d_process(pieces, self.process_index)
         p_addrs = list(msg.transfer_addrs or [msg.transfer_addr])
 
@@ -767,7 +786,7 @@ class JaxTransferKVManager(BaseKVManager):
         try:
             fut = pull_parts(self.engine, room, p_addrs, msg.transfer_uuid, mine,
                              self.process_index, main.num_entries, specs_of, timeout_s)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - what P announced: report, never crash
             raise KVTransferError(f"room {room}: {exc}", status=500) from None
         if self.mirror is not None:  # complete only when every process has its pieces
             fut = self.mirror.pull(room, msg.transfer_addr, msg.transfer_uuid, count,

@@ -153,8 +153,13 @@ def _addrs(d: dict[str, Any], mtype: str) -> list[str] | None:
     raw = _get(d, "transfer_addrs", (list,), optional=True, mtype=mtype)
     if raw is None:
         return None
-    if not 0 < len(raw) <= 4096 or not all(
-            isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in raw):
+    def endpoint(a: Any) -> bool:
+        if not isinstance(a, str):
+            return False
+        host, _, port = a.rpartition(":")
+        return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+    if not 0 < len(raw) <= 4096 or not all(endpoint(a) for a in raw):
         raise MessageError(f"{mtype} message: transfer_addrs must be a non-empty list of "
                            f"host:port strings, got {raw!r}"[:300])
     return list(raw)
@@ -166,10 +171,8 @@ def _layout(d: dict[str, Any], mtype: str) -> dict[str, Any] | None:
         return None
     try:
         layout = KVShardLayout.from_dict(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        raise MessageError(f"{mtype} message: layout is malformed ({e!r})") from None
-    if layout.shards > 4096 or layout.pool_heads > 65536:
-        raise MessageError(f"{mtype} message: layout is out of range ({raw})")
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise MessageError(f"{mtype} message: layout is malformed ({e!r})"[:300]) from None
     return layout.to_dict()
 
 

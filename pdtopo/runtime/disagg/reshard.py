@@ -29,6 +29,7 @@ from typing import Any
 
 # kv_layout keys that must be equal on both sides whatever the sharding (each a reason the KV
 # bytes would mean something else); tp, kv_heads and the process split may differ
+MAX_SHARDS, MAX_POOL_HEADS = 4096, 65536  # bounds on what a peer's layout may claim
 INVARIANT_KEYS = ("num_entries", "page_size", "head_dim", "dtype", "model_kv_heads",
                   "partition_spec")
 
@@ -46,6 +47,10 @@ class KVShardLayout:
         if self.model_kv_heads < 1 or self.shards < 1:
             raise ValueError(f"KV layout: model_kv_heads={self.model_kv_heads} and "
                              f"shards={self.shards} must be >= 1")
+        if self.pool_heads < max(self.shards, self.model_kv_heads):
+            raise ValueError(f"KV layout: pool_heads={self.pool_heads} must be at least the "
+                             f"shards ({self.shards}) and the model's KV heads "
+                             f"({self.model_kv_heads})")
         if self.pool_heads % self.model_kv_heads or self.pool_heads % self.shards:
             raise ValueError(f"KV layout: pool_heads={self.pool_heads} must be a multiple of "
                              f"model_kv_heads={self.model_kv_heads} and of shards={self.shards}")
@@ -78,15 +83,20 @@ class KVShardLayout:
     @classmethod
     def from_dict(cls, layout: Mapping[str, Any]) -> KVShardLayout:
         """From a runner's `kv_layout()` (or the `layout` of a side-channel message)."""
-        shards = int(layout["tp"])
+        shards, pool_heads = int(layout["tp"]), int(layout["kv_heads"])
+        if not 0 < shards <= MAX_SHARDS or not 0 < pool_heads <= MAX_POOL_HEADS:
+            raise ValueError(f"KV layout: tp={shards} must be in [1, {MAX_SHARDS}] and "
+                             f"kv_heads={pool_heads} in [1, {MAX_POOL_HEADS}]")
         procs = layout.get("shard_processes")
         if procs is None:  # one process, or evenly split
             n = int(layout.get("num_processes", 1))
             procs = [s * n // shards for s in range(shards)]
-        pool_heads = int(layout["kv_heads"])
+        if not isinstance(procs, (list, tuple)) or \
+                not all(isinstance(p, int) and not isinstance(p, bool) for p in procs):
+            raise ValueError(f"KV layout: shard_processes must be a list of integers, got "
+                             f"{procs!r}"[:200])
         return cls(model_kv_heads=int(layout.get("model_kv_heads", pool_heads)),
-                   pool_heads=pool_heads, shards=shards,
-                   shard_processes=tuple(int(p) for p in procs))
+                   pool_heads=pool_heads, shards=shards, shard_processes=tuple(procs))
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_kv_heads": self.model_kv_heads, "kv_heads": self.pool_heads,

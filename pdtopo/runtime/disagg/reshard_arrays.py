@@ -194,9 +194,9 @@ def pull_parts(engine: Any, room: int, p_addrs: Sequence[str], uuid: int,
     if missing:
         raise ValueError(f"P processes {missing} hold pieces but P announced transfer "
                          f"addresses for {len(p_addrs)} process(es)")
-    futures = {p: engine.pull(p_addrs[p], part_uuid(uuid, d_process),
-                              specs_of([mine[i] for i in idx]), timeout_s, room=room)
-               for p, idx in groups.items()}
+    specs = {p: specs_of([mine[i] for i in idx]) for p, idx in groups.items()}
+    futures = {p: engine.pull(p_addrs[p], part_uuid(uuid, d_process), specs[p], timeout_s,
+                              room=room) for p in groups}
     out: cf.Future = cf.Future()
     lock = threading.Lock()
 
@@ -204,9 +204,11 @@ def pull_parts(engine: Any, room: int, p_addrs: Sequence[str], uuid: int,
         with lock:
             if out.done():
                 return
-            for f in futures.values():
-                if f.done() and f.exception() is not None:
-                    out.set_exception(f.exception())
+            for p, f in futures.items():
+                if f.done() and (f.cancelled() or f.exception() is not None):
+                    out.set_exception(f.exception() if not f.cancelled() else
+                                      RuntimeError(f"the pull from P process {p} was "
+                                                   "cancelled"))
                     return
             if not all(f.done() for f in futures.values()):
                 return
