@@ -293,6 +293,31 @@ def test_reshard_replays_on_the_mirror_with_the_layouts():
         D.close()
 
 
+def test_follower_register_failure_fails_the_room_at_once():
+    """A P follower that cannot register its part (its command raised) reports it; the room
+    fails on both sides with that reason instead of D's pull waiting for kv_timeout_s."""
+    pm = Recorder()
+    P = make_mgr("prefill", pool(1, True))
+    D = make_mgr("decode", pool(1, False))
+    try:
+        P.register_runner(MirroredRunner(P.runner.kv_caches, pm))
+        sender = P.create_sender(44)
+        recv = D.create_receiver(44, P.channel.address)
+        recv.init([3])
+        drive(sender, until=lambda s: s[0] == KVPoll.WaitingForInput)
+        sender.send([1], prompt_len=2, first_token=1)
+        pm.on_message(1, {"op": "error", "command": "p_register", "room": 44,
+                          "message": "p_register: no such pages"})
+        drive(sender, recv, until=done)
+        assert sender.poll() == recv.poll() == KVPoll.Failed
+        assert "process 1 of this prefill instance could not register" in \
+            str(recv.failure_exception())
+        assert P.num_registered() == 0
+    finally:
+        P.close()
+        D.close()
+
+
 def test_follower_pull_failure_fails_the_room_and_drops_it():
     dm = Recorder()
     P = make_mgr("prefill", pool(1, True))

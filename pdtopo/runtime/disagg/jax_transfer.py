@@ -607,6 +607,17 @@ class JaxTransferKVManager(BaseKVManager):
             except Exception:
                 break
             self._dispatch(ev)
+        failed = getattr(self.mirror, "failed_rooms", None)
+        while failed is not None:
+            try:
+                room, pid, why = failed.get_nowait()
+            except Exception:
+                break
+            s = self._senders.get(room)
+            if s is not None:
+                s._fail(KVTransferError(
+                    f"room {room}: process {pid} of this prefill instance could not register "
+                    f"its KV: {why}", status=500), notify=True)
         while True:
             try:
                 room = self.engine.expired.get_nowait()

@@ -133,7 +133,8 @@ class Follower:
                 self.handle(msg)
             except Exception as exc:
                 log.exception("command %s failed", msg.get("op"))
-                self.control.send({"op": "error", "message": f"{msg.get('op')}: {exc}"})
+                self.control.send({"op": "error", "message": f"{msg.get('op')}: {exc}",
+                                   "command": msg.get("op"), "room": msg.get("room")})
         return "signal"
 
     def handle(self, msg: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ import atexit
 import concurrent.futures as cf
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Any
@@ -115,6 +116,8 @@ class LeaderMirror:
         self._lock = threading.Lock()
         self._groups: dict[int, _PullGroup] = {}
         self._registered: set[int] = set()   # P rooms the followers hold
+        # (room, process, why): P rooms a follower could not register (read by the KV manager)
+        self.failed_rooms: queue.Queue[tuple[int, int, str]] = queue.Queue()
         self._closed = False
 
     def attach(self, server: ControlServer) -> None:
@@ -194,6 +197,11 @@ class LeaderMirror:
                 group.ack(pid, bool(msg.get("ok")), msg.get("error"))
         elif op == "error":
             log.error("follower process %d: %s", pid, msg.get("message"))
+            room = msg.get("room")
+            if msg.get("command") in ("p_register", "p_recut") and isinstance(room, int):
+                # that process's part of the room's KV will never be pulled: the KV manager
+                # fails the room at once (and tells D) instead of letting D's pull time out
+                self.failed_rooms.put((room, pid, str(msg.get("message"))))
         else:
             log.warning("unexpected message from follower process %d: %r", pid, msg)
 
