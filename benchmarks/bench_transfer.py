@@ -140,15 +140,20 @@ def bench_pull(sizes_mb, chunk_mb, reps, sockets, transfer_size_mb, raw_buffers)
         engine.close()
         return rows
     finally:
-        try:
-            peer.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-            peer.stdin.flush()
-            peer.wait(timeout=20)
-        except Exception:
-            pass
-        if peer.poll() is None:
-            peer.kill()
-            peer.wait()
+        _stop_peer(peer)
+
+
+def _stop_peer(peer: subprocess.Popen) -> None:
+    """Ask a --serve / --serve-kv peer to quit; kill it if it does not."""
+    try:
+        peer.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+        peer.stdin.flush()
+        peer.wait(timeout=20)
+    except Exception:
+        pass
+    if peer.poll() is None:
+        peer.kill()
+        peer.wait()
 
 
 # ----------------------------------------------------------------------------- --hetero
@@ -292,15 +297,7 @@ def bench_hetero(sizes_mb, reps, sockets, transfer_size_mb, raw_buffers) -> list
         return rows
     finally:
         for p in peers.values():
-            try:
-                p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                p.stdin.flush()
-                p.wait(timeout=20)
-            except Exception:
-                pass
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            _stop_peer(p)
 
 
 def _flag(value: str) -> str | bool:

@@ -106,6 +106,17 @@ def _pool_layout(spec: PoolTransferSpec) -> KVShardLayout:
                          shard_processes=(0,) * shards)
 
 
+def _drained(q: Any) -> list[Any]:
+    """Everything on queue `q` now (none for None), without blocking."""
+    out = []
+    while q is not None:
+        try:
+            out.append(q.get_nowait())
+        except Exception:
+            break
+    return out
+
+
 def scatter_pieces(kv_caches: list[Any], pulled: list[Any], mine: list[Any],
                    pieces: tuple[Any, ...], layout: KVShardLayout, pool: PoolTransferSpec,
                    page_ids: list[int], skip: int, scatter_fn: ScatterFn) -> list[Any]:
@@ -607,27 +618,15 @@ class JaxTransferKVManager(BaseKVManager):
             except Exception:
                 break
             self._dispatch(ev)
-        failed = getattr(self.mirror, "failed_rooms", None)
-        while failed is not None:
-            try:
-                room, pid, why = failed.get_nowait()
-            except Exception:
-                break
+        failures = [(room, f"process {pid} of this prefill instance could not register its "
+                     f"KV: {why}", 500)
+                    for room, pid, why in _drained(getattr(self.mirror, "failed_rooms", None))]
+        failures += [(room, f"D did not pull the KV within sender_expiry_s="
+                      f"{self.sender_expiry_s:g}", 504) for room in _drained(self.engine.expired)]
+        for room, why, status in failures:
             s = self._senders.get(room)
             if s is not None:
-                s._fail(KVTransferError(
-                    f"room {room}: process {pid} of this prefill instance could not register "
-                    f"its KV: {why}", status=500), notify=True)
-        while True:
-            try:
-                room = self.engine.expired.get_nowait()
-            except Exception:
-                break
-            s = self._senders.get(room)
-            if s is not None:
-                s._fail(KVTransferError(
-                    f"room {room}: D did not pull the KV within sender_expiry_s="
-                    f"{self.sender_expiry_s:g}", status=504), notify=True)
+                s._fail(KVTransferError(f"room {room}: {why}", status=status), notify=True)
         now_wall, now = time.time(), time.monotonic()
         for r in list(self._receivers.values()):
             r._progress(now)
