@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -351,10 +352,14 @@ def test_curve_round_trip_and_outsiders_never_reach_p(curve_pair):
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)                                  # raw bytes, no handshake
     raw.setsockopt(zmq.LINGER, 0)
+    # P refuses the handshake and drops the connection; a DEALER with no connection left
+    # would block in send() forever, so the outsiders' sends give up after a second
+    raw.setsockopt(zmq.SNDTIMEO, 1000)
     raw.connect(f"tcp://{p.address}")
     # knows P's public key (it is no secret) but holds its own key pair, not the deployment's
     forger = ctx.socket(zmq.DEALER)
     forger.setsockopt(zmq.LINGER, 0)
+    forger.setsockopt(zmq.SNDTIMEO, 1000)
     forger.curve_serverkey = _keys.public
     forger.curve_publickey, forger.curve_secretkey = zmq.curve_keypair()
     forger.connect(f"tcp://{p.address}")
@@ -363,8 +368,9 @@ def test_curve_round_trip_and_outsiders_never_reach_p(curve_pair):
         for ch in (plain, stranger):
             ch.send_to(p.address, m.Want(room=8))
             ch.send_to(p.address, m.Done(room=7, ok=True))
-        raw.send(m.encode(m.Want(room=9)))
-        forger.send(m.encode(m.Want(room=11)))
+        for sock, room in ((raw, 9), (forger, 11)):
+            with contextlib.suppress(zmq.Again):  # refused before the send: nothing to send to
+                sock.send(m.encode(m.Want(room=room)))
         _until(lambda: p.stats().get("curve_denied", 0) >= 1)
         time.sleep(1.0)
         assert p.events.empty()  # nothing reached P's scheduler ...
