@@ -554,7 +554,7 @@ class JaxTransferKVManager(BaseKVManager):
                          for s in spec.packed_specs(n)]
                 self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, zeros, pages)
                 jax.block_until_ready(self.runner.kv_caches)
-        from pdtopo.runtime.disagg.reshard_arrays import warm_cuts, zero_pieces  # JAX
+        from pdtopo.runtime.disagg.reshard_arrays import warm_cuts, zero_pieces  # deferred: JAX
 
         for peer in dict.fromkeys(peer_layouts):
             if same_layout(peer, self.layout):
