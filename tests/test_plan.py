@@ -209,3 +209,16 @@ def test_proxy_retries_and_circuit_breaker_flags():
     assert "--disable-circuit-breaker" in default  # off by default (conf/proxy/rust.yaml)
     with pytest.raises(TopologyError, match="proxy.retries"):
         plan_for("proxy.retries=-1")
+
+
+@pytest.mark.parametrize("topology,meshes", [
+    ("1p1d_cpu_hetero", {"prefill_0": (2, [0, 1]), "decode_0": (1, [2])}),
+    ("1p2d_cpu_hetero", {"prefill_0": (2, [0, 1]), "decode_0": (1, [2]), "decode_1": (1, [3])}),
+    ("1p2d_v6e8_hetero", {"prefill_0": (4, [0, 1, 2, 3]), "decode_0": (2, [4, 5]),
+                          "decode_1": (2, [6, 7])}),
+])
+def test_heterogeneous_topologies_plan_each_role_its_own_mesh(topology, meshes):
+    plan = plan_for(f"topology={topology}")
+    got = {p.name: (p.mesh["tp"], p.chips) for p in plan.processes
+           if p.role in ("prefill", "decode")}
+    assert got == meshes
