@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from pdtopo.cli import main
 from pdtopo.config.compose import compose_config
+from pdtopo.launcher.nodelay_exec import inner_command
 from pdtopo.launcher.plan import API_KEY_ENV, expand_plan
 from pdtopo.launcher.render_supervisord import render_supervisord
 from pdtopo.launcher.router_entry import API_KEY_FILE_ENV, read_api_key, split_router_module
@@ -155,7 +156,7 @@ def test_api_key_travels_in_the_environment_only(tmp_path):
     cfg = compose_config(["proxy.api_key=s3cr3t-key"])
     plan = expand_plan(cfg, run_dir=str(tmp_path), python="/py")
     proxy = plan.by_name()["proxy"]
-    assert proxy.command[2] == "pdtopo.launcher.router_entry"
+    assert inner_command(proxy.command)[2] == "pdtopo.launcher.router_entry"
     assert "s3cr3t-key" not in json.dumps(plan.to_dict())
     assert "s3cr3t-key" not in resolved_config(cfg)
     text = render_supervisord(plan, run_dir=tmp_path, token="tok", workdir=tmp_path)
@@ -163,7 +164,8 @@ def test_api_key_travels_in_the_environment_only(tmp_path):
                  if line.startswith("environment=") and API_KEY_ENV in line]
     assert len(proxy_env) == 1 and f'{API_KEY_ENV}="s3cr3t-key"' in proxy_env[0]
     plain = expand_plan(compose_config([]), python="/py").by_name()["proxy"]
-    assert plain.command[2] == "sglang_router.launch_router" and not plain.secret_env
+    assert inner_command(plain.command)[2] == "sglang_router.launch_router"
+    assert not plain.secret_env
 
 
 def test_api_key_from_the_launching_environment(monkeypatch):
@@ -204,7 +206,7 @@ def test_each_router_parses_the_planned_command(proxy_kind, monkeypatch):
                           "proxy.circuit_breaker=false", "proxy.api_key=k9",
                           f"proxy.extra_args={extra}"])
     cmd = expand_plan(cfg, python="/py").by_name()["proxy"].command
-    module, argv = split_router_module(cmd[3:])
+    module, argv = split_router_module(inner_command(cmd)[3:])
     assert module == {"rust": "sglang_router.launch_router",
                       "gateway": "smg.launch_router"}[proxy_kind]
     args = importlib.import_module(module).parse_router_args(argv)

@@ -25,6 +25,7 @@ from pdtopo.config.credentials import (
     read_api_key,
 )
 from pdtopo.config.schema import TopologyError
+from pdtopo.launcher.nodelay_exec import inner_command
 from pdtopo.launcher.plan import expand_plan
 from pdtopo.launcher.run_dir import new_token, write_run_dir
 from pdtopo.runtime.distributed.health import HealthServer
@@ -170,7 +171,7 @@ def test_loopback_plans_are_unchanged():
     for proc in plan.processes:
         assert not {API_KEY_ENV, API_KEY_FILE_ENV, API_KEY_DERIVED_ENV} & {*proc.env,
                                                                           *proc.secret_env}
-    assert plan.by_name()["proxy"].command[2] == "sglang_router.launch_router"
+    assert inner_command(plan.by_name()["proxy"].command)[2] == "sglang_router.launch_router"
 
 
 def test_beyond_loopback_p_d_and_router_share_the_derived_key():
@@ -178,7 +179,7 @@ def test_beyond_loopback_p_d_and_router_share_the_derived_key():
     for name in ("prefill_0", "decode_0", "proxy"):
         assert plan[name].env[API_KEY_DERIVED_ENV] == "1", name
         assert API_KEY_ENV not in plan[name].secret_env
-    assert plan["proxy"].command[2] == "pdtopo.launcher.router_entry"
+    assert inner_command(plan["proxy"].command)[2] == "pdtopo.launcher.router_entry"
     assert API_KEY_DERIVED_ENV not in plan["bootstrap"].env
 
 

@@ -107,6 +107,11 @@ def test_launch_status_stop_with_fake_engine(tmp_path, fake_env):
         # the plan's programs and the router watch (an event listener, launcher.router_watch)
         assert set(infos) == {"bootstrap", "prefill_0", "decode_0", "proxy", "router_watch"}
         assert {i["statename"] for i in infos.values()} == {"RUNNING"}
+        # the Rust router runs with the accept wrapper (proxy.client_nodelay: auto), whose file
+        # is gone once loaded
+        maps = Path(f"/proc/{infos['proxy']['pid']}/maps").read_text()
+        assert "accept_nodelay.so (deleted)" in maps
+        assert "client_nodelay" not in (run / "logs" / "proxy.log").read_text()  # no warning
         token = (run / "token").read_text().strip()
         log = (run / "logs" / "prefill_0.log").read_text()
         assert f"token {token}" in log

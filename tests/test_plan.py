@@ -119,8 +119,10 @@ def test_port_overrides_replace_base_plus_k():
 def test_proxy_command_rust_and_mini_lb():
     plan = plan_for("topology=2p2d_cpu", "proxy.api_key=sekret")
     cmd = plan.by_name()["proxy"].command
-    # with a key: the same router through pdtopo's entry, the key in the environment only
-    assert cmd[:4] == ["/venv/bin/python", "-m", "pdtopo.launcher.router_entry",
+    # with a key: the same router through pdtopo's entry, the key in the environment only; the
+    # accept wrapper in front (proxy.client_nodelay: auto)
+    assert cmd[:8] == ["/venv/bin/python", "-m", "pdtopo.launcher.nodelay_exec", "--",
+                       "/venv/bin/python", "-m", "pdtopo.launcher.router_entry",
                        "--pd-disaggregation"]
     assert "sekret" not in cmd and "sekret" not in plan.to_json()
     assert plan.by_name()["proxy"].secret_env == {"PDTOPO_PROXY_API_KEY": "sekret"}

@@ -259,7 +259,8 @@ def test_secret_token_and_api_key_reach_the_pods(tmp_path):
     assert refs == {TOKEN_ENV: {"name": "pd-token", "key": "token"},
                     "PDTOPO_PROXY_API_KEY": {"name": "pd-token", "key": "proxy-api-key"}}
     assert c["image"] == "registry.example/pd:1"
-    assert c["command"][2] == "pdtopo.launcher.router_entry"
+    assert c["command"][2:4] == ["pdtopo.launcher.nodelay_exec", "--"]
+    assert c["command"][6] == "pdtopo.launcher.router_entry"
     assert "sekrit-key" not in " ".join(c["command"])
 
 

@@ -148,6 +148,9 @@ class ProxySchema:
     # failure to both workers, so a dead D opens every P's circuit)
     circuit_breaker: bool = False
     shutdown_grace_s: int = 10        # gateway: how long a stopping proxy lets requests finish
+    # rust: TCP_NODELAY on the client connections the router accepts (pdtopo.launcher.nodelay_exec);
+    # "auto" = when a C compiler is there, true = required, false = off
+    client_nodelay: Any = "auto"
     # rust, gateway: more router flags, appended to pdtopo's (e.g. ["--worker-wedge-secs",
     # "30"]); a flag pdtopo sets itself is refused at plan time
     extra_args: list[str] = field(default_factory=list)

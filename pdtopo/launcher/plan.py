@@ -55,6 +55,8 @@ ROUTER_MODULE = "sglang_router.launch_router"
 GATEWAY_MODULE = "smg.launch_router"
 # runs the same router with the API key from the environment or a file, never from argv
 ROUTER_KEY_MODULE = "pdtopo.launcher.router_entry"
+# wraps the Rust router so the client connections it accepts get TCP_NODELAY
+NODELAY_MODULE = "pdtopo.launcher.nodelay_exec"
 
 
 def default_rank(tp_size: int = 1) -> dict[str, int]:
@@ -407,6 +409,9 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
                     "--log-level", "warn"]
     cmd += ["--request-timeout-secs", str(proxy.request_timeout_s)]
     cmd += [str(a) for a in proxy.extra_args]
+    if proxy.kind == "rust" and proxy.client_nodelay is not False:
+        cmd = [python, "-m", NODELAY_MODULE,
+               *(["--required"] if proxy.client_nodelay is True else []), "--", *cmd]
     return cmd  # an API key travels in the environment (proxy_key_env), not in argv
 
 
