@@ -37,6 +37,8 @@ from pdtopo.bench.deployments import (
 )
 from pdtopo.model_config.random_checkpoint import write_random_checkpoint
 
+SERVED_MODEL = "hf-local"  # conf/model/hf_local.yaml: model.name
+
 # proxy names this benchmark takes -> the launch overrides that select them
 PROXY_OVERRIDES = {
     "rust": ["proxy=rust"],
@@ -73,9 +75,10 @@ def _one_server(client: httpx.Client, url: str, prompt: str, max_new_tokens: int
 def _one_openai(client: openai.OpenAI, prompt: str, max_new_tokens: int,
                 out: dict[str, list[float]]) -> None:
     messages = [{"role": "user", "content": prompt}]
+    model = SERVED_MODEL  # the gateway routes by model id: "default" finds no worker
     t0 = time.perf_counter()
     first = None
-    stream = client.chat.completions.create(model="default", messages=messages, stream=True,
+    stream = client.chat.completions.create(model=model, messages=messages, stream=True,
                                             max_tokens=max_new_tokens, temperature=0)
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -83,7 +86,7 @@ def _one_openai(client: openai.OpenAI, prompt: str, max_new_tokens: int,
     out["e2e"].append(time.perf_counter() - t0)
     out["ttft"].append(first if first is not None else out["e2e"][-1])
     t0 = time.perf_counter()
-    client.chat.completions.create(model="default", messages=messages, max_tokens=1,
+    client.chat.completions.create(model=model, messages=messages, max_tokens=1,
                                    temperature=0)
     out["one_token"].append(time.perf_counter() - t0)
 
