@@ -64,6 +64,9 @@ PAGE_BYTES = 2 * 8 * 4 * 32 * PAGE * 4  # K and V, layers, kv heads, head_dim, t
 # in flight on one P take longer than its 3 s "wedged" bound, and it would divert their
 # conversations' next turns to the other P. Its warm-up slice also sends cache hits to a
 # "thin" P. Both are switched off here so the routing measured is the cache-aware policy's.
+# the router's series printed by --router-metrics (which branch of the policy chose a worker,
+# per-worker load and requests)
+ROUTER_SERIES = ("policy", "branch", "worker_load", "worker_requests", "cache")
 GATEWAY_CPU = ['proxy.extra_args=["--worker-wedge-secs","120","--worker-warmup-secs","0",'
                '"--worker-warmup-divert-every","0"]']
 
@@ -94,14 +97,32 @@ def warm(url: str, args) -> None:
     run_conversations(url, multiturn(s), s, progress=False)
 
 
-def measure(name: str, url: str, args, prefill_urls: list[str], decode_urls: list[str]) -> dict:
+def router_counters(metrics_url: str | None) -> dict[str, float]:
+    """The router's smg_* routing counters and gauges (its /metrics), by series."""
+    if not metrics_url:
+        return {}
+    out: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("smg_") and any(k in line for k in ROUTER_SERIES):
+            series, _, value = line.rpartition(" ")
+            try:
+                out[series] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def measure(name: str, url: str, args, prefill_urls: list[str], decode_urls: list[str],
+            metrics_url: str | None = None) -> dict:
     warm(url, args)
     for u in prefill_urls + decode_urls:  # start every configuration with empty caches
         httpx.post(f"{u}/flush_cache", timeout=30)
     s = settings(args)
     computed0 = [totals([u], "num_prefill_tokens") for u in prefill_urls]
     pulled0 = totals(decode_urls, "pd_pulled_bytes")
+    routed0 = router_counters(metrics_url)
     results, duration = run_conversations(url, multiturn(s), s, progress=False)
+    routed = {k: v - routed0.get(k, 0.0) for k, v in router_counters(metrics_url).items()}
     st = summarize(results, duration, s.slo)
     if st["requests"]["failed"]:
         raise RuntimeError(f"{name}: {st['requests']['failed']} requests failed: {st['errors']} "
@@ -123,6 +144,10 @@ def measure(name: str, url: str, args, prefill_urls: list[str], decode_urls: lis
            "pulled_vs_new": pulled / new_bytes if decode_urls else None}
     out["computed"] = sum(out["computed_per_p"])
     show(out, args.turns)
+    if args.router_metrics:
+        for series, delta in sorted(routed.items()):
+            if delta:
+                print(f"    router {series} +{delta:g}")
     return out
 
 
@@ -155,6 +180,9 @@ def main() -> None:
                     "module docstring)")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="copy every deployment's logs/ to DIR/<configuration> after it stops")
+    ap.add_argument("--router-metrics", action="store_true",
+                    help="print how the router's counters moved during each PD measurement "
+                    "(policy branches, per-worker requests and load)")
     ap.add_argument("--only", default=None, help="run only the configurations whose name "
                     "matches this regular expression (ratios print where both sides ran)")
     args = ap.parse_args()
@@ -194,8 +222,11 @@ def main() -> None:
                 urls = {role: [f"http://{p['address']}:{p['ports']['http']}" for p in procs
                                if p["role"] == role] for role in ("prefill", "decode")}
                 print(f"  ({name}: launched and healthy in {time.perf_counter() - t0:.0f} s)")
+                proxy = next(p for p in procs if p["role"] == "proxy")
+                prom = proxy["ports"].get("prometheus")
+                metrics = f"http://{proxy['address']}:{prom}/metrics" if prom else None
                 res[name] = measure(name, dep.proxy_url, run_args, urls["prefill"],
-                                    urls["decode"])
+                                    urls["decode"], metrics)
             finally:
                 dep.stop()
                 if args.keep_logs:

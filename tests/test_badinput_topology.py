@@ -64,6 +64,10 @@ CASES = {
                                ["proxy.shutdown_grace_s", "-1", "must be 0"]),
     "gateway_grace_past_the_kill": (["proxy=gateway", "proxy.shutdown_grace_s=15"],
                                     ["proxy.shutdown_grace_s", "15", "kills a program 15 s"]),
+    "load_monitor_on_the_rust_router": (["+proxy.load_monitor_interval_s=1"],
+                                        ["proxy.load_monitor_interval_s", "only the gateway"]),
+    "gateway_load_monitor_zero": (["proxy=gateway", "proxy.load_monitor_interval_s=0"],
+                                  ["proxy.load_monitor_interval_s", "at least 1"]),
     "extra_arg_owned_by_pdtopo": (['proxy.extra_args=["--cache-threshold","0.5","--port=1"]'],
                                   ["proxy.extra_args.2", "'--port=1'",
                                    "pdtopo sets this flag itself"]),
@@ -216,6 +220,8 @@ def test_each_router_parses_the_planned_command(proxy_kind, monkeypatch):
     assert args.decode_urls == ["http://127.0.0.1:30002", "http://127.0.0.1:30003"]
     assert args.prefill_policy == ("cache_aware" if proxy_kind == "gateway" else "round_robin")
     assert args.cache_threshold == pytest.approx(0.4)
+    if proxy_kind == "gateway":  # polled each second (conf/proxy/gateway.yaml)
+        assert args.load_monitor_interval == 1
 
 
 def test_router_entry_module_choice():

@@ -152,7 +152,8 @@ def test_proxy_command_gateway():
                  "--decode http://127.0.0.1:30002 --decode http://127.0.0.1:30003",
                  "--prefill-policy cache_aware", "--decode-policy round_robin",
                  "--prometheus-port 29100", "--health-check-interval-secs 2",
-                 "--shutdown-grace-period-secs 10", "--log-level warn"):
+                 "--shutdown-grace-period-secs 10", "--log-level warn",
+                 "--load-monitor-interval 1"):
         assert flag in joined
     assert proxy.ports == {"http": 8000, "prometheus": 29100}
     keyed = plan_for("topology=2p2d_cpu", "proxy=gateway", "proxy.api_key=sekret",

@@ -148,6 +148,9 @@ class ProxySchema:
     # failure to both workers, so a dead D opens every P's circuit)
     circuit_breaker: bool = False
     shutdown_grace_s: int = 10        # gateway: how long a stopping proxy lets requests finish
+    # gateway: seconds between its polls of every worker's load (null: its own default, 10 s,
+    # whose stale view sends a burst of new requests all to one worker)
+    load_monitor_interval_s: int | None = None
     # rust: TCP_NODELAY on the client connections the router accepts (pdtopo.launcher.nodelay_exec);
     # "auto" = when a C compiler is there, true = required, false = off
     client_nodelay: Any = "auto"

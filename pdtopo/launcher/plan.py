@@ -405,6 +405,8 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
         if not proxy.circuit_breaker:
             cmd += ["--disable-circuit-breaker"]
         if proxy.kind == "gateway":
+            if proxy.load_monitor_interval_s is not None:
+                cmd += ["--load-monitor-interval", str(proxy.load_monitor_interval_s)]
             cmd += ["--shutdown-grace-period-secs", str(proxy.shutdown_grace_s),
                     "--log-level", "warn"]
     cmd += ["--request-timeout-secs", str(proxy.request_timeout_s)]

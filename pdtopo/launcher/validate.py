@@ -53,6 +53,7 @@ PROXY_OWNED_FLAGS = (
     "--health-check-interval-secs", "--health-failure-threshold", "--health-check-timeout-secs",
     "--retry-max-retries", "--disable-retries", "--disable-circuit-breaker",
     "--request-timeout-secs", "--shutdown-grace-period-secs", "--log-level", "--api-key",
+    "--load-monitor-interval",
 )
 
 
@@ -117,6 +118,14 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
             raise TopologyError(f"proxy.extra_args.{i}", arg,
                                 "pdtopo sets this flag itself; use its proxy.* or "
                                 "topology.proxy.* key instead")
+    if proxy.load_monitor_interval_s is not None:
+        if proxy.kind != "gateway":
+            raise TopologyError("proxy.load_monitor_interval_s", proxy.load_monitor_interval_s,
+                                f"only the gateway polls worker loads (proxy.kind is "
+                                f"{proxy.kind}); set it to null")
+        if proxy.load_monitor_interval_s < 1:
+            raise TopologyError("proxy.load_monitor_interval_s", proxy.load_monitor_interval_s,
+                                "must be at least 1 (seconds)")
     if not 0 <= proxy.shutdown_grace_s < PROGRAM_STOP_WAIT_S:
         raise TopologyError("proxy.shutdown_grace_s", proxy.shutdown_grace_s,
                             f"must be 0 (stop at once) to {PROGRAM_STOP_WAIT_S - 1} seconds (supervisord "
