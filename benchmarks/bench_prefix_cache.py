@@ -17,7 +17,8 @@ once). Pairs, each baseline measured in the same run:
    P and every conversation's next turn sent as its answer arrives, the turns reach the router
    in nearly the same order each round, so round robin hands a conversation the same P turn
    after turn by accident (measured with 8: round robin's hit ratio 0.29-0.48 across runs,
-   cache_aware's 0.73); real traffic has no such alignment, and an odd count removes it;
+   cache_aware's 0.73); real traffic has no such alignment, and an odd count removes it
+   (it reduces but does not remove round robin's run-to-run spread: 0.28-0.44 with 9);
 4. 1P1D, disaggregation.decode_prefix_cache false vs true (D's own cache: P sends only the
    pages D lacks).
 
@@ -26,6 +27,8 @@ tokens P (or the colocated server) computed, KV bytes D pulled per request and, 
 the ratio of pulled bytes to the bytes of each turn's new pages; then the ratios and goals:
 turn >= 3 TTFT p50 cached <= 0.35x uncached (colocated) and <= 0.5x (1P1D); 2P2D cache_aware hit
 ratio >= 1.8x round_robin; with D's cache, pulled bytes <= 1.2x the new pages' bytes.
+`--router-metrics` also prints how the router's routing counters moved during each PD
+measurement (the gateway's policy branches, per-worker requests).
 
 The model is a random-initialised Llama of 8 layers and hidden size 256 (bigger than the test
 model) so that a 1,000-token prefill costs what it would relative to the fixed HTTP and router
