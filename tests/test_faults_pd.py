@@ -44,6 +44,10 @@ pytestmark = pytest.mark.slow
 # A failed request must reach the client within the KV timeout plus router / scheduling overhead
 # (generous: the CI machine has 2 contended cores).
 ERROR_DEADLINE_S = KV_TIMEOUT_S + 10
+# With proxy.retries=0 (this module's deployment), the requests a dead P leaves behind get their
+# error this soon after the kill: D learns of the death from the side channel's disconnect, not
+# from its KV timer (issue 16's acceptance; measured 0.25-0.75 s)
+P_DEATH_ERROR_S = 2.0
 LONG = "abcdefghij" * 70  # ~700 tokens: 44 KV pages per request, prefills take a while
 # Enough long requests that P still has a queue while earlier KV waits for / is in a pull.
 MID_FLIGHT_REQUESTS = 96
@@ -116,7 +120,7 @@ def assert_clean_errors(outs, t_kill: float, deadline_s: float = ERROR_DEADLINE_
 
 def test_prefill_killed_mid_flight(dep):
     """kill -9 P while requests are queued for prefill, registered for a pull and being pulled:
-    each ends with an error within kv_timeout (no hang), D keeps working, P comes back,
+    each ends with an error within 2 s of the kill (no hang, no KV timeout), D keeps working, P comes back,
     re-registers, new requests succeed, pools return to baseline."""
     p_url, d_url = dep.url("prefill_0"), dep.url("decode_0")
     bg = Background([lambda i=i: post_generate(dep.proxy_url, long_request(i))
@@ -137,7 +141,7 @@ def test_prefill_killed_mid_flight(dep):
     t_all_answered = time.monotonic() - t_kill
     failed = [o for o in outs if o.status != 200]
     assert failed, "killing P mid-flight failed no request"
-    assert_clean_errors(outs, t_kill)
+    assert_clean_errors(outs, t_kill, deadline_s=P_DEATH_ERROR_S)
     assert any("kv_timeout_s" in o.body or "KV" in o.body for o in failed), failed[:3]
     # D learned that P is gone from the side channel's disconnect, not from its KV timeout
     assert any("disconnected" in o.body for o in failed), failed[:3]
