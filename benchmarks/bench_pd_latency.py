@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 
 from pdtopo.bench.deployments import (
     ColocatedProcess,
@@ -72,7 +71,7 @@ def _one_server(client: httpx.Client, url: str, prompt: str, max_new_tokens: int
     out["one_token"].append(time.perf_counter() - t0)
 
 
-def _one_openai(client: openai.OpenAI, prompt: str, max_new_tokens: int,
+def _one_openai(client, prompt: str, max_new_tokens: int,
                 out: dict[str, list[float]]) -> None:
     messages = [{"role": "user", "content": prompt}]
     model = SERVED_MODEL  # the gateway routes by model id: "default" finds no worker
@@ -94,6 +93,8 @@ def _one_openai(client: openai.OpenAI, prompt: str, max_new_tokens: int,
 def measure_openai(url: str, prompts: list[str], max_new_tokens: int,
                    reuse: bool = True) -> dict[str, list[float]]:
     """The OpenAI client's chat completions; `reuse`: one client (one pooled connection)."""
+    import openai  # deferred: the test extra's client; --no-openai runs without it
+
     out: dict[str, list[float]] = {"ttft": [], "e2e": [], "one_token": []}
 
     def client() -> openai.OpenAI:

@@ -123,6 +123,7 @@ def measure(name: str, url: str, args, prefill_urls: list[str], decode_urls: lis
     s = settings(args)
     computed0 = [totals([u], "num_prefill_tokens") for u in prefill_urls]
     pulled0 = totals(decode_urls, "pd_pulled_bytes")
+    metrics_url = metrics_url if args.router_metrics else None
     routed0 = router_counters(metrics_url)
     results, duration = run_conversations(url, multiturn(s), s, progress=False)
     routed = {k: v - routed0.get(k, 0.0) for k, v in router_counters(metrics_url).items()}
@@ -150,7 +151,7 @@ def measure(name: str, url: str, args, prefill_urls: list[str], decode_urls: lis
     if args.router_metrics:
         for series, delta in sorted(routed.items()):
             if delta:
-                print(f"    router {series} +{delta:g}")
+                print(f"    router {series} {delta:+g}")
     return out
 
 

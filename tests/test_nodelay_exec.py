@@ -113,6 +113,26 @@ def test_auto_without_a_compiler_warns_and_runs_the_program_unchanged(tmp_path):
     assert "proxy.client_nodelay=auto" in err and "40 ms" in err
 
 
+def test_an_inherited_marker_deletes_nothing(tmp_path):
+    victim = tmp_path / "victim" / "file"
+    victim.parent.mkdir()
+    victim.write_text("keep")
+    env = {**os.environ, nodelay_exec.SO_ENV: str(victim),
+           nodelay_exec.PRELOAD_WAS_ENV: "/stale.so"}
+    report, err = _run_child(tmp_path, _wrapper("--required"), env)
+    assert report["nodelay"] != 0, err
+    assert victim.read_text() == "keep"
+    assert report["ld_preload"] is None  # the stale "previous LD_PRELOAD" was not restored
+
+
+def test_no_temporary_directory_is_a_shim_error(monkeypatch):
+    def refuse(**_):
+        raise PermissionError("read-only file system")
+    monkeypatch.setattr(nodelay_exec.tempfile, "mkdtemp", refuse)
+    with pytest.raises(nodelay_exec.ShimError, match="no private temporary directory.*TMPDIR"):
+        nodelay_exec.private_directory()
+
+
 def test_a_compile_error_is_reported_with_the_compiler_output(tmp_path, monkeypatch):
     bad = tmp_path / "bad.c"
     bad.write_text("int broken(")
@@ -148,9 +168,10 @@ def test_other_proxies_and_false_are_not_wrapped(overrides):
     assert NODELAY_MODULE not in _proxy_command(*overrides)
 
 
-def test_a_bad_setting_is_refused_naming_the_key():
+@pytest.mark.parametrize("value", ["sometimes", "0", "1"])
+def test_a_bad_setting_is_refused_naming_the_key(value):
     with pytest.raises(TopologyError, match="proxy.client_nodelay.*auto, true or false"):
-        _proxy_command("proxy.client_nodelay=sometimes")
+        _proxy_command(f"proxy.client_nodelay={value}")
 
 
 def test_the_plan_json_keeps_the_wrapper():

@@ -26,6 +26,12 @@
 static int (*next_accept4)(int, struct sockaddr *, socklen_t *, int);
 static int (*next_accept)(int, struct sockaddr *, socklen_t *);
 
+/* The real functions, found once when the library loads (before any thread runs). */
+static void find_next(void) {
+    if (!next_accept4) next_accept4 = dlsym(RTLD_NEXT, "accept4");
+    if (!next_accept) next_accept = dlsym(RTLD_NEXT, "accept");
+}
+
 /* Counted for the tests (read with dlsym through the process's own handle). */
 unsigned long pdtopo_nodelay_sockets = 0;
 
@@ -46,23 +52,29 @@ static void set_nodelay(int fd) {
 }
 
 int accept4(int sockfd, struct sockaddr *addr, socklen_t *addrlen, int flags) {
-    if (!next_accept4) next_accept4 = dlsym(RTLD_NEXT, "accept4");
+    if (!next_accept4) find_next();
+    if (!next_accept4) { errno = ENOSYS; return -1; }
     int fd = next_accept4(sockfd, addr, addrlen, flags);
     if (fd >= 0) set_nodelay(fd);
     return fd;
 }
 
 int accept(int sockfd, struct sockaddr *addr, socklen_t *addrlen) {
-    if (!next_accept) next_accept = dlsym(RTLD_NEXT, "accept");
+    if (!next_accept) find_next();
+    if (!next_accept) { errno = ENOSYS; return -1; }
     int fd = next_accept(sockfd, addr, addrlen);
     if (fd >= 0) set_nodelay(fd);
     return fd;
 }
 
 __attribute__((constructor)) static void forget_own_file(void) {
+    find_next();
     const char *path = getenv("PDTOPO_NODELAY_SO");
     const char *was = getenv("PDTOPO_NODELAY_PRELOAD_WAS");
-    if (path && *path) {
+    Dl_info self;
+    /* only ever this library's own file: a stray PDTOPO_NODELAY_SO names nothing to delete */
+    if (path && *path && dladdr((void *)forget_own_file, &self) && self.dli_fname &&
+        strcmp(self.dli_fname, path) == 0) {
         char dir[4096];
         strncpy(dir, path, sizeof dir - 1);
         dir[sizeof dir - 1] = '\0';

@@ -12,7 +12,9 @@ it once here to prove it loads in this environment, then exec COMMAND with the l
 LD_PRELOAD. The library deletes its file and directory as it loads and restores LD_PRELOAD, so
 nothing stays on disk and COMMAND's children do not inherit it.
 
-Without a C compiler, or if the library does not build or load: with `--required`
+COMMAND must be a dynamically linked program started directly (the interpreter, not a shell
+script that execs it: a script's shell would take the library and delete it). Without a C
+compiler, off Linux, or if the library does not build or load: with `--required`
 (`proxy.client_nodelay: true`) this exits 2 naming the setting; otherwise (`auto`) it says so
 on stderr, once, and execs COMMAND unchanged.
 """
@@ -63,9 +65,11 @@ def build_library(directory: Path, compiler: str | None = None) -> Path:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise ShimError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}): {' | '.join(tail)}")
     try:
-        ctypes.CDLL(str(out))  # its constructor finds no PDTOPO_NODELAY_SO here: a no-op
+        ctypes.CDLL(str(out))  # main() removed PDTOPO_NODELAY_* here: its constructor is a no-op
     except OSError as exc:
-        raise ShimError(f"the compiled {LIBRARY_NAME} does not load: {exc}") from None
+        raise ShimError(f"the compiled {LIBRARY_NAME} does not load from {directory} ({exc}); "
+                        "is that file system mounted noexec? set TMPDIR to one that is not"
+                        ) from None
     return out
 
 
@@ -99,14 +103,29 @@ def inner_command(command: list[str]) -> list[str]:
     return parse_args(command[3:])[1]
 
 
+def private_directory() -> Path:
+    """A fresh directory only this user can enter (mode 0700)."""
+    try:
+        return Path(tempfile.mkdtemp(prefix="pdtopo-nodelay-"))
+    except OSError as exc:
+        raise ShimError(f"no private temporary directory ({exc}); set TMPDIR") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     required, command = parse_args(sys.argv[1:] if argv is None else argv)
+    # inherited values are not ours: the library would act on them when it loads here
+    os.environ.pop(SO_ENV, None)
+    os.environ.pop(PRELOAD_WAS_ENV, None)
     env: Mapping[str, str] = os.environ
-    directory = Path(tempfile.mkdtemp(prefix="pdtopo-nodelay-"))  # 0700, this user's only
+    directory: Path | None = None
     try:
+        if not sys.platform.startswith("linux"):
+            raise ShimError(f"the accept wrapper is for Linux (this is {sys.platform})")
+        directory = private_directory()
         env = preload_env(os.environ, build_library(directory))
     except ShimError as exc:
-        shutil.rmtree(directory, ignore_errors=True)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
         if required:
             print(f"nodelay_exec: {SETTING}=true but {exc}; install a C compiler or set "
                   f"{SETTING}=auto", file=sys.stderr, flush=True)
@@ -117,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         os.execvpe(command[0], command, dict(env))
     except OSError as exc:
-        shutil.rmtree(directory, ignore_errors=True)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
         raise SystemExit(f"nodelay_exec: cannot run {command[0]}: {exc}") from None
 
 

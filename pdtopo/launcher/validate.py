@@ -106,7 +106,7 @@ def check_basics(topo: TopologySchema, proxy: ProxySchema) -> None:
                 "request_timeout_s"):
         if getattr(proxy, key) < 1:
             raise TopologyError(f"proxy.{key}", getattr(proxy, key), "must be at least 1")
-    if proxy.client_nodelay not in ("auto", True, False):
+    if not (isinstance(proxy.client_nodelay, bool) or proxy.client_nodelay == "auto"):
         raise TopologyError("proxy.client_nodelay", proxy.client_nodelay,
                             "must be auto, true or false")
     if proxy.extra_args and proxy.kind == "mini_lb":
