@@ -10,6 +10,7 @@ of the run is left alive.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -110,8 +111,12 @@ def test_launch_status_stop_with_fake_engine(tmp_path, fake_env):
         # the Rust router runs with the accept wrapper (proxy.client_nodelay: auto), whose file
         # is gone once loaded
         maps = Path(f"/proc/{infos['proxy']['pid']}/maps").read_text()
-        assert "accept_nodelay.so (deleted)" in maps
-        assert "client_nodelay" not in (run / "logs" / "proxy.log").read_text()  # no warning
+        proxy_log = (run / "logs" / "proxy.log").read_text()
+        if shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"):
+            assert "accept_nodelay.so (deleted)" in maps
+            assert "client_nodelay" not in proxy_log  # no warning
+        else:  # auto without a compiler: one warning naming the setting, the router runs
+            assert "proxy.client_nodelay=auto" in proxy_log
         token = (run / "token").read_text().strip()
         log = (run / "logs" / "prefill_0.log").read_text()
         assert f"token {token}" in log
