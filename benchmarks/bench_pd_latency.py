@@ -95,19 +95,23 @@ def measure_openai(url: str, prompts: list[str], max_new_tokens: int,
     """The OpenAI client's chat completions; `reuse`: one client (one pooled connection)."""
     import openai  # deferred: the test extra's client; --no-openai runs without it
 
+    return _each_prompt(
+        lambda: openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120),
+        lambda c, prompt, out: _one_openai(c, prompt, max_new_tokens, out), prompts, reuse)
+
+
+def _each_prompt(new_client, one, prompts: list[str], reuse: bool) -> dict[str, list[float]]:
+    """`one(client, prompt, out)` for every prompt, on one client (`reuse`: its keep-alive
+    connection) or a new client per prompt."""
     out: dict[str, list[float]] = {"ttft": [], "e2e": [], "one_token": []}
-
-    def client() -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-
     if reuse:
-        with client() as c:
+        with new_client() as c:
             for prompt in prompts:
-                _one_openai(c, prompt, max_new_tokens, out)
+                one(c, prompt, out)
     else:
         for prompt in prompts:
-            with client() as c:
-                _one_openai(c, prompt, max_new_tokens, out)
+            with new_client() as c:
+                one(c, prompt, out)
     return out
 
 
@@ -115,16 +119,9 @@ def measure(url: str, prompts: list[str], max_new_tokens: int,
             reuse: bool = True) -> dict[str, list[float]]:
     """`reuse`: every request on one keep-alive connection (what pooled clients such as the
     OpenAI client do); otherwise a new connection per request."""
-    out: dict[str, list[float]] = {"ttft": [], "e2e": [], "one_token": []}
-    if reuse:
-        with httpx.Client(timeout=120) as client:
-            for prompt in prompts:
-                _one_server(client, url, prompt, max_new_tokens, out)
-    else:
-        for prompt in prompts:
-            with httpx.Client(timeout=120) as client:
-                _one_server(client, url, prompt, max_new_tokens, out)
-    return out
+    return _each_prompt(lambda: httpx.Client(timeout=120),
+                        lambda c, prompt, out: _one_server(c, url, prompt, max_new_tokens, out),
+                        prompts, reuse)
 
 
 def run_all(tmp: Path, label: str, model: list[str], proxies: list[str], args,

@@ -56,6 +56,7 @@ from pdtopo.bench.loadgen import run_conversations
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.stats import percentile, summarize, ttft
 from pdtopo.bench.workload import multiturn
+from pdtopo.launcher.top import parse as parse_metrics
 
 PAGE = 16
 MODEL = ["model.hidden_size=256", "model.intermediate_size=512", "model.num_layers=8",
@@ -63,13 +64,13 @@ MODEL = ["model.hidden_size=256", "model.intermediate_size=512", "model.num_laye
 ENGINE = ["engine.max_model_len=2048", "engine.max_prefill_tokens=2048",
           "engine.num_pages=1024", "engine.max_running_requests=16"]
 PAGE_BYTES = 2 * 8 * 4 * 32 * PAGE * 4  # K and V, layers, kv heads, head_dim, tokens, float32
+# the router's series printed by --router-metrics (which branch of the policy chose a worker,
+# per-worker load and requests)
+ROUTER_SERIES = ("policy", "branch", "worker_load", "worker_requests", "cache")
 # The gateway's health heuristics assume GPU-speed prefill: on this CPU four 1,000-token prompts
 # in flight on one P take longer than its 3 s "wedged" bound, and it would divert their
 # conversations' next turns to the other P. Its warm-up slice also sends cache hits to a
 # "thin" P. Both are switched off here so the routing measured is the cache-aware policy's.
-# the router's series printed by --router-metrics (which branch of the policy chose a worker,
-# per-worker load and requests)
-ROUTER_SERIES = ("policy", "branch", "worker_load", "worker_requests", "cache")
 GATEWAY_CPU = ['proxy.extra_args=["--worker-wedge-secs","120","--worker-warmup-secs","0",'
                '"--worker-warmup-divert-every","0"]']
 
@@ -105,13 +106,11 @@ def router_counters(metrics_url: str | None) -> dict[str, float]:
     if not metrics_url:
         return {}
     out: dict[str, float] = {}
-    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith("smg_") and any(k in line for k in ROUTER_SERIES):
-            series, _, value = line.rpartition(" ")
-            try:
-                out[series] = float(value)
-            except ValueError:
-                continue
+    for name, samples in parse_metrics(httpx.get(metrics_url, timeout=10).text, 0.0).values.items():
+        for labels, value in samples:
+            series = name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+            if name.startswith("smg_") and any(k in series for k in ROUTER_SERIES):
+                out[series] = value
     return out
 
 

@@ -15,9 +15,9 @@ from safetensors.numpy import load_file, save_file
 
 from pdtopo.model_config.errors import CheckpointError
 from pdtopo.model_config.hf import REFUSED
+from pdtopo.model_config.random_checkpoint import write_random_checkpoint
 from pdtopo.model_config.spec import model_config_from_cfg
 from tests.e2e_support import run_pdtopo
-from tests.test_loader import make_checkpoint
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320,
@@ -184,7 +184,7 @@ def test_launch_refuses_at_once_without_starting_anything(tmp_path):
 
 def test_preflight_checks_tensors_and_tp(tmp_path):
     root = tmp_path / "ckpt"
-    make_checkpoint(root, "llama")  # 4 heads, 2 KV heads, FF 48
+    write_random_checkpoint(root, "llama")  # 4 heads, 2 KV heads, FF 48
     ok, _ = _render(tmp_path / "a", "model=hf_local", f"model.path={root}")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     # a tensor config.json does not account for: an o_proj bias without attention_bias

@@ -10,7 +10,6 @@ of the run is left alive.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT, free_port
 
+from pdtopo.launcher.nodelay_exec import compiler_on_path
 from pdtopo.launcher.supervisor_control import Supervisor, descendants, pid_alive
 
 FAKE_SERVER = textwrap.dedent('''
@@ -112,7 +112,7 @@ def test_launch_status_stop_with_fake_engine(tmp_path, fake_env):
         # is gone once loaded
         maps = Path(f"/proc/{infos['proxy']['pid']}/maps").read_text()
         proxy_log = (run / "logs" / "proxy.log").read_text()
-        if shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"):
+        if compiler_on_path():
             assert "accept_nodelay.so (deleted)" in maps
             assert "client_nodelay" not in proxy_log  # no warning
         else:  # auto without a compiler: one warning naming the setting, the router runs

@@ -31,9 +31,6 @@ from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk
 from pdtopo.runtime.model.loader import load_host_params
 from pdtopo.runtime.model.tokenizer import HFTokenizer, StreamDecoder, load_tokenizer
 
-make_checkpoint = write_random_checkpoint
-
-
 # ----------------------------------------------------------- independent NumPy reference
 
 
@@ -99,7 +96,7 @@ def _runner(path: Path, tp: int = 1) -> ModelRunner:
 @pytest.mark.parametrize("arch,tied,tp", [("llama", False, 1), ("qwen2", True, 2),
                                           ("qwen2", True, 4)])  # 2 KV heads on 4: repeated
 def test_loaded_checkpoint_matches_numpy_forward(tmp_path, arch, tied, tp):
-    tensors = make_checkpoint(tmp_path / arch, arch, tied)
+    tensors = write_random_checkpoint(tmp_path / arch, arch, tied)
     runner = _runner(tmp_path / arch, tp)
     cfg = runner.config
     assert runner.model_config.num_kv_heads == KVH and cfg.num_kv_heads == max(KVH, tp)
@@ -118,7 +115,7 @@ def test_loaded_checkpoint_matches_numpy_forward(tmp_path, arch, tied, tp):
 
 
 def test_hf_tokenizer_chat_template_and_streaming(tmp_path):
-    make_checkpoint(tmp_path / "m", "qwen2")
+    write_random_checkpoint(tmp_path / "m", "qwen2")
     cfg = model_config_from_cfg({"path": str(tmp_path / "m"), "tokenizer": "hf"})
     tok = load_tokenizer(cfg)
     assert isinstance(tok, HFTokenizer)
@@ -136,7 +133,7 @@ def test_hf_tokenizer_chat_template_and_streaming(tmp_path):
 
 def test_missing_and_misshaped_tensors_name_file_and_tensor(tmp_path):
     root = tmp_path / "bad"
-    tensors = make_checkpoint(root, "llama")
+    tensors = write_random_checkpoint(root, "llama")
     cfg = model_config_from_cfg({"path": str(root)})
     index = json.loads((root / "model.safetensors.index.json").read_text())
     file = index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
@@ -157,7 +154,7 @@ def test_missing_and_misshaped_tensors_name_file_and_tensor(tmp_path):
 
 def test_unsharded_checkpoint_without_index(tmp_path):
     root = tmp_path / "single"
-    tensors = make_checkpoint(root, "llama")
+    tensors = write_random_checkpoint(root, "llama")
     for f in root.glob("model-*.safetensors"):
         f.unlink()
     (root / "model.safetensors.index.json").unlink()

@@ -60,16 +60,9 @@ def _run_child(tmp_path: Path, wrapper: list[str], env: dict[str, str]) -> tuple
         proc.wait()
 
 
-def _has_compiler() -> bool:
-    try:
-        nodelay_exec.find_compiler()
-        return True
-    except nodelay_exec.ShimError:
-        return False
-
-
 # the wrapper's own machine needs a C compiler (every CI and dev machine of this project has gcc)
-needs_cc = pytest.mark.skipif(not _has_compiler(), reason="no C compiler (cc, gcc, clang)")
+needs_cc = pytest.mark.skipif(nodelay_exec.compiler_on_path() is None,
+                              reason="no C compiler (cc, gcc, clang)")
 
 
 def _wrapper(*opts: str) -> list[str]:

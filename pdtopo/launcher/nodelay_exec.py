@@ -44,18 +44,22 @@ class ShimError(RuntimeError):
     """The library could not be built or loaded here; the message says why."""
 
 
+def compiler_on_path() -> str | None:
+    """The first of COMPILERS on PATH, or None."""
+    return next((p for p in map(shutil.which, COMPILERS) if p), None)
+
+
 def find_compiler() -> str:
-    for name in COMPILERS:
-        path = shutil.which(name)
-        if path:
-            return path
+    path = compiler_on_path()
+    if path:
+        return path
     raise ShimError(f"no C compiler on PATH (looked for {', '.join(COMPILERS)})")
 
 
-def build_library(directory: Path, compiler: str | None = None) -> Path:
+def build_library(directory: Path) -> Path:
     """Compile the library into `directory`; the path of the loadable .so."""
     out = directory / LIBRARY_NAME
-    cmd = [compiler or find_compiler(), "-shared", "-fPIC", "-O2", "-o", str(out), str(SOURCE),
+    cmd = [find_compiler(), "-shared", "-fPIC", "-O2", "-o", str(out), str(SOURCE),
            "-ldl"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)

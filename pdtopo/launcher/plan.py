@@ -39,6 +39,9 @@ from pdtopo.config.settings import (
     runtime_settings,
 )
 from pdtopo.launcher import validate
+
+# wraps the Rust router so the client connections it accepts get TCP_NODELAY
+from pdtopo.launcher.nodelay_exec import MODULE as NODELAY_MODULE
 from pdtopo.launcher.tpu_env import (
     Accelerator,
     accelerator_spec,
@@ -55,8 +58,6 @@ ROUTER_MODULE = "sglang_router.launch_router"
 GATEWAY_MODULE = "smg.launch_router"
 # runs the same router with the API key from the environment or a file, never from argv
 ROUTER_KEY_MODULE = "pdtopo.launcher.router_entry"
-# wraps the Rust router so the client connections it accepts get TCP_NODELAY
-NODELAY_MODULE = "pdtopo.launcher.nodelay_exec"
 
 
 def default_rank(tp_size: int = 1) -> dict[str, int]:
