@@ -7,6 +7,13 @@ powers of two; the current config format (`rope_parameters`, transformers 5) and
 from a seeded torch generator with std 1/sqrt(fan_in) (transformers' 0.02 init would make all
 logits nearly tie). `hf_greedy` runs HF's forward in float32 and returns its tokens, the logits
 at the last prompt position and the smallest top-1 margin over the generated positions.
+
+`save_chat_tokenizer` puts a tokenizer saved by transformers itself beside a checkpoint: a
+byte-level BPE of exactly VOCAB ids trained with `tokenizers`, BOS added by its post-processor,
+wrapped in `PreTrainedTokenizerFast` with a chat template (by default SmolLM2-Instruct's, which
+adds a system prompt when the chat has none), so `save_pretrained` writes `tokenizer.json`,
+`tokenizer_config.json`, `chat_template.jinja` and `additional_chat_templates/` as transformers
+5 does for a real instruct model.
 """
 
 from __future__ import annotations
@@ -143,3 +150,64 @@ def prompts(seed: int, lengths: tuple[int, ...] = (5, 23, 41)) -> list[list[int]
     """Seeded prompts over the whole vocabulary (lengths across several 8-token pages)."""
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(2, VOCAB, size=n)] for n in lengths]
+
+
+# SmolLM2-135M-Instruct's chat template: ChatML plus a default system prompt
+SMOL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+CHAT_CORPUS = [
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    "What is the capital of France? The capital of France is Paris.",
+    "the quick brown fox jumps over the lazy dog; hello world, how are you today?",
+    "system user assistant: Tell me a story about a cat who likes numbers 0123456789.",
+] * 8
+
+
+def save_chat_tokenizer(directory: Path, template: str | dict[str, str] = SMOL_TEMPLATE):
+    """Write a transformers-saved tokenizer into `directory`; returns the HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CHAT_CORPUS, trainers.BpeTrainer(
+        vocab_size=VOCAB, show_progress=False, special_tokens=CHAT_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    # BOS from the post-processor: a chat must not get it unless its template writes it
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                 eos_token="<|im_end|>", pad_token="<|im_end|>")
+    hf.chat_template = template
+    hf.save_pretrained(str(directory))
+    assert (directory / "chat_template.jinja").is_file()
+    return hf
+
+
+def hf_chat_ids(hf_tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                **kwargs: Any) -> list[int]:
+    """transformers' own prompt ids for a chat (`apply_chat_template(tokenize=True)`)."""
+    return list(hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **kwargs))
+
+
+def hf_generate(model, prompt: list[int], n: int) -> list[int]:
+    """HF `generate`'s greedy tokens, EOS not stopping it (as pdtopo's `ignore_eos`)."""
+    import copy
+
+    import torch
+
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, max_new_tokens=n, min_new_tokens=None, do_sample=False)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=config,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return [int(t) for t in out[0, len(prompt):]]

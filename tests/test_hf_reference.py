@@ -3,12 +3,16 @@ CASES: Llama with default / linear / llama3 RoPE and attention biases, Qwen2, Qw
 untied; GQA ratios of 3, 1 and 7 query heads per KV head; current and older config formats) give,
 in pdtopo, HF's last-prompt-position logits within 1e-4 and HF's 32 greedy tokens, on the
 colocated engine and through a P/D pair (real runners, transfer servers and ZMQ side channel,
-no HTTP), and through a launched 1P1D deployment (bootstrap, Rust router, P and D processes). Every prompt's smallest top-1 margin over the generated positions is asserted to
-exceed the tolerance first, so a near-tie cannot make a token comparison flaky.
+no HTTP), and through a launched 1P1D deployment (bootstrap, Rust router, P and D processes),
+whose chat completion (a tokenizer and chat template saved by transformers beside the weights)
+is HF's `apply_chat_template` + `generate`. Every prompt's smallest top-1 margin over the
+generated positions is asserted to exceed the tolerance first, so a near-tie cannot make a
+token comparison flaky.
 """
 
 from __future__ import annotations
 
+import httpx
 import jax
 import numpy as np
 import pytest
@@ -29,7 +33,17 @@ from tests.e2e_support import (
     port_block,
     wait_pools_baseline,
 )
-from tests.hf_checkpoints import CASE_IDS, CASES, Case, build, hf_greedy, prompts
+from tests.hf_checkpoints import (
+    CASE_IDS,
+    CASES,
+    Case,
+    build,
+    hf_chat_ids,
+    hf_generate,
+    hf_greedy,
+    prompts,
+    save_chat_tokenizer,
+)
 
 ATOL = 1e-4
 NEW_TOKENS = 32
@@ -156,14 +170,24 @@ def test_tensor_parallel_qwen3_matches_hf(tmp_path):
 
 def test_launched_1p1d_serves_hf_tokens(tmp_path):
     """`pdtopo launch` 1P1D with a current-format Qwen3 checkpoint (rope_parameters only: the
-    format that gave wrong tokens from the first one on): HF's greedy tokens through the proxy,
-    batch requests included, and every pool back at its baseline afterwards."""
+    format that gave wrong tokens from the first one on) and a tokenizer saved by transformers
+    (chat_template.jinja with a default system prompt, as SmolLM2-Instruct's): HF's greedy
+    tokens through the proxy, batch requests included; a chat completion answers HF's
+    `generate` on `apply_chat_template`'s ids; every pool back at its baseline afterwards."""
     case = next(c for c in CASES if c.name == "qwen3_head_dim")
     directory, model = build(case, tmp_path)
+    hf_tok = save_chat_tokenizer(directory)
     batch = prompts(seed=11)
     refs = [hf_greedy(model, p, NEW_TOKENS) for p in batch]
     assert min(r.min_margin for r in refs) > ATOL
-    dep = Deployment(tmp_path / "run", ["model=hf_local", f"model.path={directory}", *ENGINE,
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    chat_ids = hf_chat_ids(hf_tok, chat)
+    chat_tokens = hf_generate(model, chat_ids, NEW_TOKENS)
+    assert hf_greedy(model, chat_ids, NEW_TOKENS).min_margin > ATOL
+    engine = [o for o in ENGINE if o.split("=")[0] not in ("model.tokenizer",
+                                                           "engine.max_model_len")]
+    dep = Deployment(tmp_path / "run", ["model=hf_local", f"model.path={directory}", *engine,
+                                        "model.tokenizer=hf", "engine.max_model_len=128",
                                         *deployment_overrides(port_block(40))])
     dep.launch()
     try:
@@ -173,6 +197,16 @@ def test_launched_1p1d_serves_hf_tokens(tmp_path):
             assert out["output_ids"] == ref.tokens
         outs = generate(dep.proxy_url, {"input_ids": batch, "sampling_params": sampling})
         assert [o["output_ids"] for o in outs] == [r.tokens for r in refs]
+        out = generate(dep.proxy_url, {"input_ids": chat_ids, "sampling_params": sampling})
+        assert out["output_ids"] == chat_tokens
+        resp = httpx.post(f"{dep.proxy_url}/v1/chat/completions", timeout=120, json={
+            "messages": chat, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["usage"]["prompt_tokens"] == len(chat_ids)  # HF's template, no extra BOS
+        assert body["usage"]["completion_tokens"] == NEW_TOKENS
+        assert body["choices"][0]["message"]["content"] == hf_tok.decode(
+            chat_tokens, skip_special_tokens=True)
         wait_pools_baseline(dep)
     finally:
         dep.stop_and_check()
