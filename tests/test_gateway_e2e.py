@@ -1,7 +1,8 @@
 """2P2D behind the sglang model gateway (`proxy=gateway`, prefill policy `cache_aware`), real
 processes: greedy tokens equal a colocated server's; a conversation's prompt sent again lands
 on the P that cached it (round robin would alternate three prompts over two P, and every
-second-round request would miss); OpenAI chat, plain and streamed, passes through; and
+second-round request would miss); OpenAI chat, plain and streamed, passes through; a body over
+server.max_body_bytes is refused 413 at once; and
 `pdtopo stop` leaves no gateway behind (it renames its process, so the run-dir scan alone
 would not see it)."""
 
@@ -16,6 +17,7 @@ import pytest
 from pdtopo.launcher.supervisor_control import Supervisor
 from tests.e2e_support import (
     Deployment,
+    assert_refused_at_once,
     colocated_reference,
     deployment_overrides,
     generate,
@@ -75,6 +77,8 @@ def test_gateway_cache_aware_keeps_prompts_on_their_prefill(tmp_path_factory, re
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # server.max_body_bytes is the gateway's --max-payload-size: 413, nothing forwarded
+        assert_refused_at_once(dep.proxy_url)
         wait_pools_baseline(dep)
     finally:
         dep.stop_and_check()

@@ -9,14 +9,14 @@ deployment: it cannot register or heartbeat at the bootstrap server (401), canno
 CURVE handshake with P's side channel (P's received/dropped counters do not move), and gets 401
 from P's and D's HTTP APIs without the proxy API key and 200 with it, while the deployment keeps
 serving colocated tokens. Everything is torn down and the namespaces deleted. Skipped only
-where namespaces cannot be created (no `ip`, no privileges)."""
+where namespaces cannot be created (no `ip`, no privileges), and under CI=true a failure
+there (tests/ci_support.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from pdtopo.runtime.disagg.curve import deployment_keys
+from tests.ci_support import missing, require_tool
 from tests.e2e_support import REPO_ROOT, ColocatedServer, generate, port_block, processes_of_run
 
 pytestmark = pytest.mark.slow
@@ -83,15 +84,14 @@ class Namespaces:
 
 
 def _namespaces_or_skip() -> Namespaces:
-    if shutil.which("ip") is None:
-        pytest.skip("`ip` (iproute2) is not installed: apt-get install -y iproute2")
+    require_tool("ip", "apt-get install -y iproute2 (.ci/run installs it)")
     nss = Namespaces()
     try:
         nss.create()
     except subprocess.CalledProcessError as exc:
         nss.delete()
-        pytest.skip(f"cannot create network namespaces here ({' '.join(exc.cmd)}: "
-                    f"{exc.stderr.strip()})")
+        missing(f"cannot create network namespaces here ({' '.join(exc.cmd)}: "
+                f"{exc.stderr.strip()})", "run the test as root (CAP_NET_ADMIN, CAP_SYS_ADMIN)")
     return nss
 
 

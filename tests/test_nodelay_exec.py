@@ -19,6 +19,7 @@ from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher import nodelay_exec
 from pdtopo.launcher.plan import NODELAY_MODULE, expand_plan
+from tests.ci_support import require_compiler
 
 # listens on TCP and on a Unix socket, accepts one connection on each, then prints what the
 # accepted sockets carry and what the process's environment and mappings say
@@ -60,9 +61,13 @@ def _run_child(tmp_path: Path, wrapper: list[str], env: dict[str, str]) -> tuple
         proc.wait()
 
 
-# the wrapper's own machine needs a C compiler (every CI and dev machine of this project has gcc)
-needs_cc = pytest.mark.skipif(nodelay_exec.compiler_on_path() is None,
-                              reason="no C compiler (cc, gcc, clang)")
+@pytest.fixture
+def c_compiler() -> str:
+    """The wrapper's machine needs a C compiler: skipped without one, failed under CI=true."""
+    return require_compiler()
+
+
+needs_cc = pytest.mark.usefixtures("c_compiler")
 
 
 def _wrapper(*opts: str) -> list[str]:

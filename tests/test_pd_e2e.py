@@ -14,6 +14,7 @@ import pytest
 from tests.e2e_support import (
     ColocatedServer,
     Deployment,
+    assert_refused_at_once,
     deployment_overrides,
     generate,
     port_block,
@@ -125,6 +126,20 @@ def test_bad_request_is_a_clear_400_and_service_continues(pd, reference):
     assert "max_new_tokens" in resp.text
     out = generate(pd.proxy_url, {"text": PROMPTS[1], "sampling_params": GREEDY})
     assert out["output_ids"] == reference[PROMPTS[1]]["output_ids"]
+
+
+def test_oversize_body_is_a_413_at_once_everywhere(pd, colocated, reference):
+    """server.max_body_bytes (8 MiB): a 50 MB body is refused 413 within a second by the proxy
+    (the Rust router's --max-payload-size, MiniLB through pdtopo's entry), by P and D and by a
+    colocated server (also on /v1/ routes), before it is read or tokenized; then the
+    deployment serves as before."""
+    for url in (pd.proxy_url, *pd.servers().values(), colocated.url):
+        assert_refused_at_once(url)
+    assert_refused_at_once(pd.proxy_url, "/v1/completions")
+    assert_refused_at_once(colocated.url, "/v1/chat/completions")
+    out = generate(pd.proxy_url, {"text": PROMPTS[1], "sampling_params": GREEDY})
+    assert out["output_ids"] == reference[PROMPTS[1]]["output_ids"]
+    wait_pools_baseline(pd)
 
 
 def _turns(url: str, system: list[int], questions: list[list[int]]) -> list[dict]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import shutil
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from pdtopo.bench.stats import BREAKDOWN
 from pdtopo.runtime.disagg.pd_timeline import D_STAGES
+from tests.ci_support import require_tool
 from tests.conftest import free_port
 from tests.e2e_support import (
     Deployment,
@@ -29,10 +29,8 @@ from tests.e2e_support import (
     wait_healthy,
 )
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("prometheus") is None,
-                                 reason="no prometheus binary (Debian package prometheus; "
-                                        ".ci/run installs it)")]
+pytestmark = pytest.mark.slow
+PROMETHEUS_HINT = "apt-get install -y prometheus (Debian package; .ci/run installs it)"
 
 MODEL = ["model.num_layers=2"]
 REQUESTS = 6
@@ -57,13 +55,14 @@ def wait_query(url: str, query: str, want, timeout: float = 60.0) -> float | Non
 
 
 def test_prometheus_scrapes_pd_metrics_and_top_shows_traffic(tmp_path_factory):
+    prometheus = require_tool("prometheus", PROMETHEUS_HINT)  # before any launch
     run_dir = tmp_path_factory.mktemp("prom") / "run"
     dep = Deployment(run_dir, [*MODEL, "topology=1p1d_cpu",
                                "launcher.prometheus_scrape_interval_s=1",
                                *deployment_overrides(port_block(40))]).launch()
     port = free_port()
     prom = subprocess.Popen(
-        ["prometheus", f"--config.file={run_dir / 'prometheus.yml'}",
+        [prometheus, f"--config.file={run_dir / 'prometheus.yml'}",
          f"--storage.tsdb.path={tmp_path_factory.mktemp('tsdb')}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pdtopo.config.credentials import API_KEY_DERIVED_ENV, API_KEY_ENV
 from pdtopo.config.schema import TopologyError, typed_proxy, typed_topology
+from pdtopo.config.settings import group_settings
 from pdtopo.launcher.plan import Plan, Process, process_name, router_command
 from pdtopo.launcher.tpu_env import Accelerator, accelerator_spec
 
@@ -242,6 +243,8 @@ def k8s_plan(plan: Plan, cfg: DictConfig) -> tuple[Plan, list[RoleGroup], K8sSet
     prox = replace(prox, host=s.name("proxy"), address=prox_addr,
                    command=router_command(s.python, proxy_cfg, LISTEN_ALL, prox.ports,
                                           leaders["prefill"], leaders["decode"],
+                                          max_body_bytes=group_settings(
+                                              cfg, "server").max_body_bytes,
                                           derived_key=API_KEY_DERIVED_ENV in prox.env),
                    health_url=f"http://{prox_addr}:{prox.ports['http']}/health",
                    cpu_affinity=None, port_keys={}, secret_env=_from_secret(prox))

@@ -34,6 +34,7 @@ from pdtopo.config.schema import (
 )
 from pdtopo.config.settings import (
     LauncherSettings,
+    RuntimeSettings,
     ServerSettings,
     group_settings,
     runtime_settings,
@@ -58,6 +59,8 @@ ROUTER_MODULE = "sglang_router.launch_router"
 GATEWAY_MODULE = "smg.launch_router"
 # runs the same router with the API key from the environment or a file, never from argv
 ROUTER_KEY_MODULE = "pdtopo.launcher.router_entry"
+# proxy.kind=mini_lb: sglang-router's MiniLB with pdtopo's body limit (it enforces none)
+MINI_LB_MODULE = "pdtopo.launcher.mini_lb_entry"
 
 
 def default_rank(tp_size: int = 1) -> dict[str, int]:
@@ -369,13 +372,16 @@ def _bootstrap_process(topo: TopologySchema, run_dir: str, python: str,
 
 
 def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[str, int],
-                   prefills: list[Process], decodes: list[Process], *,
+                   prefills: list[Process], decodes: list[Process], *, max_body_bytes: int,
                    derived_key: bool = False, workers: Sequence[Process] = ()) -> list[str]:
     """`derived_key`: the router's key is the one derived from the deployment token.
     `workers`: regular mode (mode dp), one colocated worker per instance, routed by
-    `proxy.policy`; else PD mode over `prefills` and `decodes`."""
+    `proxy.policy`; else PD mode over `prefills` and `decodes`. `max_body_bytes`
+    (server.max_body_bytes): every proxy kind answers 413 to a bigger body."""
     router = GATEWAY_MODULE if proxy.kind == "gateway" else ROUTER_MODULE
-    if proxy.api_key or proxy.api_key_file or derived_key:
+    if proxy.kind == "mini_lb":
+        cmd = [python, "-m", MINI_LB_MODULE]
+    elif proxy.api_key or proxy.api_key_file or derived_key:
         cmd = [python, "-m", ROUTER_KEY_MODULE]
         if router != ROUTER_MODULE:
             cmd += ["--router-module", router]
@@ -410,7 +416,8 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
                 cmd += ["--load-monitor-interval", str(proxy.load_monitor_interval_s)]
             cmd += ["--shutdown-grace-period-secs", str(proxy.shutdown_grace_s),
                     "--log-level", "warn"]
-    cmd += ["--request-timeout-secs", str(proxy.request_timeout_s)]
+    cmd += ["--request-timeout-secs", str(proxy.request_timeout_s),
+            "--max-payload-size", str(max_body_bytes)]
     cmd += [str(a) for a in proxy.extra_args]
     if proxy.kind == "rust" and proxy.client_nodelay is not False:
         cmd = [python, "-m", NODELAY_MODULE,
@@ -419,7 +426,8 @@ def router_command(python: str, proxy: ProxySchema, address: str, ports: dict[st
 
 
 def _proxy_process(topo: TopologySchema, proxy: ProxySchema, servers: list[Process],
-                   python: str, launcher: LauncherSettings, derived_key: bool) -> Process:
+                   python: str, settings: RuntimeSettings, derived_key: bool) -> Process:
+    launcher = settings.launcher
     host, address = validate.host_address(topo, "topology.proxy.host", topo.proxy.host)
     ports = {"http": topo.proxy.port}
     keys = {"http": "topology.proxy.port"}
@@ -440,6 +448,7 @@ def _proxy_process(topo: TopologySchema, proxy: ProxySchema, servers: list[Proce
         name="proxy", role="proxy", host=host, address=address, instance_id="proxy",
         rank=default_rank(), chips=[], mesh={}, ports=ports, env=env,
         command=router_command(python, proxy, address, ports, prefills, decodes,
+                               max_body_bytes=settings.server.max_body_bytes,
                                derived_key=derived_key, workers=workers),
         health_url=f"http://{address}:{ports['http']}/health", priority=PRIORITY["proxy"],
         port_keys=keys,
@@ -498,11 +507,11 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
     bootstrap_url = proxy_url = None
     if topo.mode == "pd":
         boot = _bootstrap_process(topo, str(run_dir), python, settings.launcher)
-        prox = _proxy_process(topo, proxy, servers, python, settings.launcher, derived_key)
+        prox = _proxy_process(topo, proxy, servers, python, settings, derived_key)
         processes = [boot, *servers, prox]
         bootstrap_url, proxy_url = boot.url, prox.url
     elif topo.mode == "dp":  # data-parallel colocated: the router in regular mode, no bootstrap
-        prox = _proxy_process(topo, proxy, servers, python, settings.launcher, derived_key)
+        prox = _proxy_process(topo, proxy, servers, python, settings, derived_key)
         processes, proxy_url = [*servers, prox], prox.url
     else:
         processes = servers

@@ -53,7 +53,7 @@ PROXY_OWNED_FLAGS = (
     "--health-check-interval-secs", "--health-failure-threshold", "--health-check-timeout-secs",
     "--retry-max-retries", "--disable-retries", "--disable-circuit-breaker",
     "--request-timeout-secs", "--shutdown-grace-period-secs", "--log-level", "--api-key",
-    "--load-monitor-interval",
+    "--load-monitor-interval", "--max-payload-size",
 )
 
 

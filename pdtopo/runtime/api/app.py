@@ -6,15 +6,19 @@ the error handlers (`errors.py`: client errors are 400s naming the field) and in
 route tables: `native_routes.router` (POST /generate, health, server/model info, /v1/models,
 /get_load, /metrics, /pdtopo/state, /flush_cache) and `openai_api.router` (/v1/completions,
 /v1/chat/completions), plus `drain_routes` (POST /pdtopo/drain and the in-flight count its
-middleware keeps). Outermost, `HttpAuthMiddleware` answers 401 to a caller without a credential
-where the server requires one (beyond loopback: pdtopo/runtime/http_auth.py). A handler validates and tokenizes its body, submits `Req`s to the
-scheduler (`ServerState.submit`), and awaits their sinks or streams their outputs as SSE.
+middleware keeps). `BodyLimitMiddleware` (pdtopo/body_limit.py) answers 413 to a body over
+`server.max_body_bytes` before it is read. Outermost, `HttpAuthMiddleware` answers 401 to a
+caller without a credential where the server requires one (beyond loopback:
+pdtopo/runtime/http_auth.py). A handler validates its body, tokenizes it off the event loop
+(`ServerState.off_loop`: a long prompt takes seconds), submits `Req`s to the scheduler
+(`ServerState.submit`), and awaits their sinks or streams their outputs as SSE.
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
+from pdtopo.body_limit import BodyLimitMiddleware
 from pdtopo.runtime.api import drain_routes, native_routes, openai_api
 from pdtopo.runtime.api.errors import install_error_handlers
 from pdtopo.runtime.api.state import ServerState
@@ -29,5 +33,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(drain_routes.router)
     app.add_middleware(drain_routes.InFlightMiddleware, state=state)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.ctx.settings.server.max_body_bytes,
+                       key="server.max_body_bytes")
     app.add_middleware(HttpAuthMiddleware, guard=HttpGuard.from_context(state.ctx))
     return app

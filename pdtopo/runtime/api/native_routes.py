@@ -3,8 +3,9 @@
 Routes: POST /generate, GET /health, /health_generate, /get_server_info (/server_info),
 /get_model_info (/model_info), /v1/models, /get_load, /metrics, /pdtopo/state,
 POST /flush_cache. Each handler gets the server's `ServerState` through the `ServerDep`
-dependency (`routing.py`). /generate validates and tokenizes the whole body first
-(`generate_items`: every item checked before any is submitted), submits one `Req` per item to
+dependency (`routing.py`). /generate validates and tokenizes the whole body first (its prompts
+off the event loop, `ServerState.off_loop`; then `generate_items`: every item checked before
+any is submitted), submits one `Req` per item to
 the scheduler, then streams their outputs as SSE (`generate_events`) or awaits their sinks and
 answers with sglang's result objects (`generate_result`).
 """
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdtopo.runtime.api.drain_routes import in_flight
 from pdtopo.runtime.api.errors import error_response
-from pdtopo.runtime.api.protocol import GenerateRequest, parse_body
+from pdtopo.runtime.api.protocol import GenerateRequest, parse_body, refuse_logprob_fields
 from pdtopo.runtime.api.routing import (
     ServerDep,
     event_stream,
@@ -107,10 +108,13 @@ def _sampling_per_item(sampling_params: Any, n: int) -> list[tuple[Any, str]]:
     return [(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
 
 
-def generate_items(state: ServerState, body: GenerateRequest) -> tuple[list[Handle], bool]:
-    """Validate a /generate body into submitted handles (all validated before any submit)."""
+def generate_items(state: ServerState, body: GenerateRequest,
+                   tokenized: tuple[list[list[int]], list[str], bool],
+                   ) -> tuple[list[Handle], bool]:
+    """Validate a /generate body, its prompts `tokenized` (`_generate_prompts`), into submitted
+    handles (all validated before any submit)."""
     state.require_engine()
-    prompts, fields, batch = _generate_prompts(state, body)
+    prompts, fields, batch = tokenized
     n = len(prompts)
     sampling = _sampling_per_item(body.sampling_params, n)
     prepared = [state.prepare(p, sp, prompt_field=f, sampling_prefix=prefix)
@@ -164,7 +168,10 @@ async def generate_events(handles: list[Handle], views: list[TextView],
 @router.post("/generate")
 async def generate(request: Request, state: ServerDep):
     body = await parse_body(request, GenerateRequest)
-    handles, batch = generate_items(state, body)
+    state.require_engine()
+    refuse_logprob_fields(body)  # before tokenizing: a long prompt takes seconds
+    tokenized = await state.off_loop(_generate_prompts, state, body)
+    handles, batch = generate_items(state, body, tokenized)
     views = [TextView(state.tokenizer, h) for h in handles]
     if body.stream:
         return event_stream(generate_events(handles, views, batch))

@@ -2,13 +2,14 @@
 POST /v1/chat/completions, each answered whole or streamed as SSE chunks (`stream: true`).
 
 Each handler gets the server's `ServerState` through the `ServerDep` dependency (`routing.py`),
-tokenizes its prompt(s) (a completion's prompt: text, texts, ids or lists of ids; a chat's
-messages: rendered with the tokenizer's chat template), maps the OpenAI fields onto pdtopo's
+tokenizes its prompt(s) off the event loop (`ServerState.off_loop`; a completion's prompt:
+text, texts, ids or lists of ids; a chat's messages: rendered with the tokenizer's chat
+template), maps the OpenAI fields onto pdtopo's
 sampling values (`max_tokens` / `max_completion_tokens` -> max_new_tokens, `seed`, `stop`, plus
 the sglang extensions top_k, ignore_eos, stop_token_ids), validates everything before it submits
 one `Req` per prompt, and then builds the `text_completion` / `chat.completion` body or its
-chunks from the handles' outputs. Unsupported options (n > 1, logprobs, echo, non-zero
-penalties) are 400s naming the field.
+chunks from the handles' outputs. Unsupported options (n > 1, logprobs, top_logprobs, echo,
+non-zero penalties) are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -46,11 +47,19 @@ from pdtopo.runtime.engine.request import InvalidRequest, new_rid
 router = APIRouter()
 
 
-def _sampling_dict(body: _OpenAICommon, max_tokens: int | None) -> dict[str, Any]:
+def _refuse_unsupported(body: _OpenAICommon) -> None:
+    """Options pdtopo does not implement are a 400 naming the field (checked before the prompt
+    is tokenized: a long one takes seconds)."""
     if body.n not in (None, 1):
         raise InvalidRequest("n", f"n={body.n} is not supported (only 1)")
     if body.logprobs not in (None, False, 0):
         raise InvalidRequest("logprobs", "logprobs are not supported")
+    if body.top_logprobs not in (None, 0):
+        raise InvalidRequest("top_logprobs", f"top_logprobs={body.top_logprobs!r} is not "
+                             "supported (pdtopo does not compute logprobs)")
+
+
+def _sampling_dict(body: _OpenAICommon, max_tokens: int | None) -> dict[str, Any]:
     d = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
          "top_k": body.top_k, "seed": body.seed, "stop": body.stop,
          "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
@@ -128,9 +137,10 @@ def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     return [state.check_ids(prompt, "prompt")]
 
 
-def _submit_completions(state: ServerState, body: CompletionRequest) -> tuple[str, list[Handle]]:
-    """Validate every prompt, then submit them: (the response id, one handle per prompt)."""
-    prompts = _completion_prompts(state, body.prompt)
+def _submit_completions(state: ServerState, body: CompletionRequest,
+                        prompts: list[list[int]]) -> tuple[str, list[Handle]]:
+    """Validate every prompt (`_completion_prompts`), then submit them: (the response id, one
+    handle per prompt)."""
     prepared = [_prepare(state, ids, body, body.max_tokens, "max_tokens",
                          "prompt" if len(prompts) == 1 else f"prompt[{i}]")
                 for i, ids in enumerate(prompts)]
@@ -175,7 +185,9 @@ async def completions(request: Request, state: ServerDep):
     state.require_engine()
     if body.echo:
         raise InvalidRequest("echo", "echo is not supported")
-    base, handles = _submit_completions(state, body)
+    _refuse_unsupported(body)
+    prompts = await state.off_loop(_completion_prompts, state, body.prompt)  # a long one: seconds
+    base, handles = _submit_completions(state, body, prompts)
     views = [TextView(state.tokenizer, h) for h in handles]
     env = _envelope(state, body, base)
     if body.stream:
@@ -187,15 +199,16 @@ async def completions(request: Request, state: ServerDep):
 
 # ---------------------------------------------------------------- /v1/chat/completions
 def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    """The messages rendered with the chat template, tokenized (no second BOS)."""
+    """The messages rendered with the chat template, tokenized as transformers does."""
     tok = state.tokenizer
     messages = [m.model_dump() for m in body.messages]
     try:
         text = tok.apply_chat_template(messages)
     except ValueError as e:
         raise InvalidRequest("messages", str(e)) from None
-    has_bos = bool(getattr(tok, "bos_token", "")) and text.startswith(tok.bos_token)
-    return state.encode_text(text, "messages", add_special_tokens=not has_bos)
+    # a model's template writes its special tokens itself (transformers encodes the rendered
+    # chat with add_special_tokens=False); only pdtopo's fallback template gets the BOS
+    return state.encode_text(text, "messages", add_special_tokens=tok.chat_add_special_tokens)
 
 
 def _chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -243,7 +256,8 @@ async def _chat_events(env: _Envelope, h: Handle, view: TextView,
 async def chat_completions(request: Request, state: ServerDep):
     body = await parse_body(request, ChatCompletionRequest)
     state.require_engine()
-    ids = _chat_prompt_ids(state, body)
+    _refuse_unsupported(body)
+    ids = await state.off_loop(_chat_prompt_ids, state, body)  # template + tokens: off the loop
     max_tokens, max_tokens_name = _chat_max_tokens(body)
     prepared = _prepare(state, ids, body, max_tokens, max_tokens_name, "messages")
     cid = body.rid or f"chatcmpl-{new_rid()}"
