@@ -1,12 +1,15 @@
 """`pdtopo drain` / `pdtopo restart` over real processes (2P2D, the Rust router): under a steady
 load a rolling restart of every P, then every D, loses no request; every program has a new PID
-afterwards and serves the colocated server's greedy tokens. Bad uses are refused with the reason
-and change nothing: an unknown target, the last serving instance of a role without --force, a
-wrong deployment token on /pdtopo/drain."""
+afterwards and serves the colocated server's greedy tokens. P's drain waits for the rooms whose KV
+it announced to a D that has not pulled yet (that D stopped meanwhile). Bad uses are refused with
+the reason and change nothing: an unknown target, the last serving instance of a role without
+--force, a wrong deployment token on /pdtopo/drain."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 
@@ -26,6 +29,7 @@ from tests.e2e_support import (
     said,
     wait_pools_baseline,
 )
+from tests.fault_support import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +74,67 @@ class LongRequest:
         for t in self.threads:
             t.join(300)
         return self.out
+
+
+class AnnouncedRoom:
+    """One PD request whose KV P announces to a D that is stopped (SIGSTOP) before it pulls:
+    D gets the request and asks P for the room, then stops; P prefills, sends `ready` and
+    answers at once, its packed copy waiting in P's sender table for D's pull, which comes
+    only after `resume()`. A drain of P that ended before that would stop P under the pull."""
+
+    TOKENS = 8
+
+    def __init__(self, dep: Deployment, sv: Supervisor, prefill: str, decode: str,
+                 room: int) -> None:
+        self.d_pid = sv.states()[decode][1]
+        p = dep.process(prefill)
+        body = {"text": f"announced room {room}", "bootstrap_host": p["address"],
+                "bootstrap_port": p["ports"]["zmq"], "bootstrap_room": room,
+                "sampling_params": {"max_new_tokens": self.TOKENS, "temperature": 0,
+                                    "ignore_eos": True}}
+        self.out: int | str | None = None
+
+        def run_d() -> None:
+            try:
+                resp = httpx.post(f"{dep.url(decode)}/generate", json=body, timeout=120)
+                self.out = (len(resp.json()["output_ids"]) if resp.status_code == 200
+                            else f"{resp.status_code}: {resp.text[:300]}")
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                self.out = repr(exc)
+
+        self.thread = threading.Thread(target=run_d, daemon=True)
+        self.thread.start()
+        time.sleep(1.0)  # D has the request and sent P its `want`
+        os.kill(self.d_pid, signal.SIGSTOP)
+        try:
+            p_answer = httpx.post(f"{dep.url(prefill)}/generate", json=body, timeout=60)
+        except httpx.HTTPError:
+            self.resume()
+            raise
+        assert p_answer.status_code == 200, p_answer.text  # P's half: done, KV announced
+        self.p_state = pool_state(dep.url(prefill))
+        self.p_metrics = httpx.get(f"{dep.url(prefill)}/metrics", timeout=10).text
+
+    def resume(self) -> None:
+        os.kill(self.d_pid, signal.SIGCONT)
+
+    def result(self) -> int | str | None:
+        self.thread.join(120)
+        return self.out
+
+
+def _in_background(args: list[str]) -> tuple[threading.Thread, dict]:
+    """`pdtopo ARGS` on a thread; its CompletedProcess lands in the dict's "res"."""
+    done: dict = {}
+    thread = threading.Thread(target=lambda: done.update(res=run_pdtopo(args, timeout=900)))
+    thread.start()
+    return thread, done
+
+
+def _metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert found, name
+    return float(found.group(1))
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +184,29 @@ def test_rolling_restart_of_every_p_then_every_d_loses_nothing(tmp_path_factory,
                     while (pool_state(dep.url("decode_0"))["http_in_flight"] == 0
                            and long_ones[0].out is None and time.monotonic() < deadline):
                         time.sleep(0.05)
-                res = run_pdtopo(["restart", role, str(run_dir)], timeout=900)
+                announced = None
+                if role == "prefill":  # prefill_0, drained first, holds KV decode_1 has
+                    # not pulled: decode_1 is stopped until after prefill_0's drain began
+                    announced = AnnouncedRoom(dep, sv, "prefill_0", "decode_1", 4343)
+                restart, done = _in_background(["restart", role, str(run_dir)])
+                if announced is not None:
+                    try:  # past the drain's first in_flight check: its way out of the router
+                        wait_until(lambda: pool_state(dep.url("prefill_0"))["draining"], 60)
+                        time.sleep(8)
+                    finally:
+                        announced.resume()
+                restart.join(900)
+                res = done["res"]
                 assert res.returncode == 0, res.stdout + res.stderr + dep.log_tails(20)
+                if announced is not None:  # its KV waited for the pull, then D decoded it
+                    assert announced.result() == AnnouncedRoom.TOKENS, res.stdout
+                    st = announced.p_state
+                    assert st["pd_inflight_senders"] >= 1 and st["in_flight"] >= 1, st
+                    assert 0 < st["pd_held_kv_pages"] <= st["pd_max_held_kv_pages"], st
+                    assert _metric(announced.p_metrics, "pdtopo:held_kv_bytes") > 0
+                    waited = re.search(r"prefill_0: draining \(\d+ HTTP requests open, (\d+) "
+                                       r"requests in the engine\)", said(res))
+                    assert waited and int(waited.group(1)) >= 1, res.stdout
                 assert said(res).count("back in the router") == 2, res.stdout
                 print(res.stdout)  # the steps and their times (docs/reliability.md)
                 for req in long_ones:  # the drain waited for them: complete answers

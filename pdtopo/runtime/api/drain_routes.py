@@ -7,8 +7,8 @@ token as `Authorization: Bearer <token>`) sets `ServerState.draining`: while it 
 answers 503, so the router's health checks stop choosing this server, and requests that still
 arrive are served as usual (the router may have chosen this server before it noticed). The
 answer, like `/pdtopo/state`, carries `in_flight`: HTTP requests open here plus the requests the
-scheduler still holds (a P's room waiting for D to pull its KV counts too). The launcher waits
-for 0 before it restarts the program.
+scheduler still holds, plus a P's rooms whose KV waits for D's pull (`pd_inflight_senders`). The
+launcher waits for 0 before it restarts the program.
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ class InFlightMiddleware:
 
 def in_flight(state: ServerState) -> int:
     """0 when nothing is in flight (a request being answered counts once at the HTTP side and
-    once in the engine)."""
-    held = state.scheduler.stats().get("num_reqs", 0) if state.scheduler is not None else 0
-    return state.http_in_flight + int(held)
+    once in the engine). A P's request leaves the engine once its KV is announced, but its
+    packed copy waits for D's pull (`pd_inflight_senders`): stopping P then would fail it."""
+    stats = state.scheduler.stats() if state.scheduler is not None else {}
+    held = int(stats.get("num_reqs", 0)) + int(stats.get("pd_inflight_senders", 0))
+    return state.http_in_flight + held
 
 
 def _token_problem(state: ServerState, authorization: str | None) -> JSONResponse | None:

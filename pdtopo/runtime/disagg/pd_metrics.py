@@ -15,6 +15,11 @@ hosts' clocks:
   P  pdtopo:prefill_to_ready_seconds   P's prefill done -> `ready` sent (D's `want` may
                                        arrive after the prefill)
      pdtopo:kv_wait_for_pull_seconds   `ready` sent -> D's `done` (P holds the KV meanwhile)
+     pdtopo:held_kv_bytes              bytes of packed KV copies P holds for D's pull now
+     pdtopo:held_kv_pages              the same in pages (what the budget counts)
+     pdtopo:max_held_kv_pages          the budget, disaggregation.max_held_kv_pages
+     pdtopo:held_kv_waiting_requests   requests P holds back because the copies of the
+                                       admitted ones would fill the budget
   both
      pdtopo:pd_failures_total{reason}  rooms that ended in failure, by reason
      pdtopo:pd_rooms_in_flight         rooms between arrival and the end of their transfer
@@ -79,6 +84,18 @@ class PDMetrics:
         self.wait_for_pull_seconds = Histogram(
             "pdtopo:kv_wait_for_pull_seconds", "P: ready sent -> D's done (KV held for D)",
             buckets=TRANSFER_BUCKETS, registry=reg)
+        self.held_kv_bytes = Gauge("pdtopo:held_kv_bytes",
+                                   "P: bytes of packed KV copies waiting for D's pull",
+                                   registry=reg)
+        self.held_kv_pages = Gauge("pdtopo:held_kv_pages",
+                                   "P: pages of packed KV copies waiting for D's pull",
+                                   registry=reg)
+        self.max_held_kv_pages = Gauge("pdtopo:max_held_kv_pages",
+                                       "P: the budget of held KV copies "
+                                       "(disaggregation.max_held_kv_pages)", registry=reg)
+        self.held_kv_waiting = Gauge("pdtopo:held_kv_waiting_requests",
+                                     "P: requests not started because held KV copies would "
+                                     "exceed the budget", registry=reg)
         self.failures = Counter("pdtopo:pd_failures", "PD rooms that failed, by reason",
                                 labelnames=["reason"], registry=reg)
         for reason in sorted(set(FAILURE_REASONS.values())):

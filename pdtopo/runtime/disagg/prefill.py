@@ -14,6 +14,10 @@ A request reaching P carries `bootstrap_room` (and host/port, which name this P)
                             are freed immediately because the packed arrays are copies
     every step           -> poll in-flight senders: done from D releases the packed copies;
                             D's failure or the expiry (`disaggregation.sender_expiry_s`) too
+    held-KV budget       -> a waiting request starts its prefill only while the copies held
+                            for D plus those of the admitted requests plus its own fit in
+                            `disaggregation.max_held_kv_pages` (held_budget.py); one held
+                            back longer than `held_kv_wait_s` fails with a retryable 503
     P-side failure       -> rejected, aborted or failed requests abort their sender, which tells
                             D over the side channel so D fails the request at once
     health check         -> `/health_generate` requests (req.extra["health_check"]) run as
@@ -29,6 +33,7 @@ import time
 from typing import Any
 
 from pdtopo.runtime.disagg.base import KVTransferError
+from pdtopo.runtime.disagg.held_budget import HeldKVBudget
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 from pdtopo.runtime.disagg.messages import prefix_digest
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
@@ -55,6 +60,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         self.waits_for_decode_claim = bool(
             self.ctx.settings.disaggregation.decode_prefix_cache or self.decode_layouts)
         self._awaiting_want: dict[str, float] = {}  # rid -> deadline: prefilled, before want
+        d = self.ctx.settings.disaggregation
+        self.held_budget = HeldKVBudget(d.max_held_kv_pages, d.held_kv_wait_s)
+        self.pd_metrics.max_held_kv_pages.set(self.held_budget.max_pages)
 
     def warmup(self) -> None:
         """P samples only first tokens of prefill batches: compile the sampler for every
@@ -86,6 +94,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         self._poll_senders()
         if self._awaiting_want:
             self._poll_awaiting_want()
+        if self.held_budget.blocked:
+            self._fail_overdue_waits()
         super().step()
 
     def has_work(self) -> bool:
@@ -117,6 +127,47 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
                 if req is not None and not req.finished:
                     self._fail_request(req, sender)
 
+    # ------------------------------------------------------------------ held-KV budget
+    def held_kv_pages(self) -> int:
+        """Pages of the packed copies announced for D's pull and not yet released."""
+        return sum(s.ready_msg.pools[0].page_count for s in self._inflight
+                   if s.ready_msg is not None and not s.last_state.terminal)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> str | None:
+        err = super().check_fits(prompt_len, max_new_tokens)
+        if err is None:
+            err = self.held_budget.prompt_problem(self.pages_for(prompt_len), prompt_len)
+        return err
+
+    def may_start(self, req: Req) -> bool:
+        if req.rid not in self._senders:  # a health check: no copy
+            return super().may_start(req)
+        return self.held_budget.admits(req.rid, self.pages_for(len(req.prompt_ids)),
+                                       self.held_kv_pages()) and super().may_start(req)
+
+    def _budget_waiting(self) -> list[Req]:
+        """The waiting requests that the budget holds back (none while it is not full)."""
+        if not self.held_budget.blocked:
+            return []
+        return [r for r in self.waiting
+                if r.rid in self._senders and not self.held_budget.is_admitted(r.rid)]
+
+    def _fail_overdue_waits(self) -> None:
+        """Fail the requests held back by the budget for `held_kv_wait_s` (503, retryable),
+        unless the first of them fits now (the copies it waited for are gone)."""
+        waiting = self._budget_waiting()
+        held = self.held_kv_pages()
+        if not waiting or self.held_budget.fits(self.pages_for(len(waiting[0].prompt_ids)), held):
+            return
+        now = time.monotonic()
+        for req in waiting:
+            if self.held_budget.overdue(req.arrival_time, now):
+                message = self.held_budget.wait_error(held + self.held_budget.committed(),
+                                                      now - req.arrival_time)
+                log.warning("%s: %s", req.rid, message)
+                self.pd_metrics.failed(503)
+                self.finish_request(req, FinishReason.abort(message, 503))
+
     @staticmethod
     def _stages(req: Req, sender) -> dict[str, float]:
         """P's queue and prefill durations (seconds, this process's clock) for D's timeline."""
@@ -146,16 +197,22 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             super().handle_new_request(req)  # /health_generate: a local prefill, no sender
             return
         if req.bootstrap_room is None:
-            self.finish_request(req, FinishReason.abort(
+            self.refuse_request(req, FinishReason.abort(
                 "this is a prefill server: requests need bootstrap_host, bootstrap_port and "
                 "bootstrap_room (send them through the PD proxy)", 400))
             return
-        try:
-            self._senders[req.rid] = self.kv_manager.create_sender(int(req.bootstrap_room))
-        except (KVTransferError, ValueError) as exc:
-            self.finish_request(req, FinishReason.abort(f"bootstrap_room: {exc}", 400))
+        if self.reject_if_invalid(req):  # never served, or a duplicate of a live rid: the
+            # live request keeps its sender; the refused one's room fails at D too
+            self._reject_room(int(req.bootstrap_room), req.finish_reason["message"], 400)
             return
-        super().handle_new_request(req)
+        try:
+            sender = self.kv_manager.create_sender(int(req.bootstrap_room))
+        except (KVTransferError, ValueError) as exc:
+            self.refuse_request(req, FinishReason.abort(f"bootstrap_room: {exc}", 400))
+            return
+        self._senders[req.rid] = sender
+        self.register_request(req)
+        self.waiting.append(req)
 
     def _reject_room(self, room: int, message: str, status: int) -> None:
         """The HTTP layer rejected this room's request: fail the room so that D (whose `want`
@@ -242,9 +299,12 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         return None
 
     def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
-        self._awaiting_want.pop(req.rid, None)
-        sender = self._senders.pop(req.rid, None)
+        sender = None
+        if self.reqs.get(req.rid) is req:  # its rid's sender, never a live duplicate's
+            self._awaiting_want.pop(req.rid, None)
+            sender = self._senders.pop(req.rid, None)
         if sender is not None:
+            self.held_budget.settle(req.rid)  # its copy counts through the sender from now on
             if sender.ready_msg is None and not sender.poll().terminal:
                 sender.abort(reason.get("message", "prefill failed"),
                              status=reason.get("status_code", 500))
@@ -254,7 +314,17 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
 
     def pd_state(self) -> dict[str, Any]:
         self.pd_metrics.rooms_in_flight.set(len(self._senders) + len(self._inflight))
+        held = {"pd_held_kv_pages": self.held_kv_pages(),
+                "pd_held_kv_bytes": self.kv_manager.engine.registered_bytes(),
+                "pd_max_held_kv_pages": self.held_budget.max_pages,
+                "pd_held_kv_waiting": len(self._budget_waiting())}
+        m = self.pd_metrics
+        m.held_kv_pages.set(held["pd_held_kv_pages"])
+        m.held_kv_bytes.set(held["pd_held_kv_bytes"])
+        m.held_kv_waiting.set(held["pd_held_kv_waiting"])
+        # pd_inflight_senders: rooms whose KV waits for D's pull, counted by the drain
+        # (api/drain_routes.py `in_flight`): P must not stop while D may still pull
         return {**super().pd_state(), "pd_inflight_senders": len(self._inflight),
                 "pd_registered_kv": self.kv_manager.num_registered(),
-                "pd_skipped_pages": self.num_skipped_pages}
+                "pd_skipped_pages": self.num_skipped_pages, **held}
 

@@ -70,11 +70,22 @@ def warmup_kinds(role: str) -> dict[str, bool]:
     return dict(WARMUP_BY_ROLE.get(role, {}))
 
 
+def reserved_pages(settings: Any, role: str) -> int:
+    """Pages' worth of device memory a server of `role` keeps out of a pool that
+    `engine.kv_memory_fraction` sizes: P's packed KV copies waiting for D's pull take up to
+    `disaggregation.max_held_kv_pages` pages (as many bytes per device as pool pages)."""
+    return int(settings.disaggregation.max_held_kv_pages) if role == "prefill" else 0
+
+
 class ModelRunner:
     """Weights + paged KV pool + bucketed, jitted batched forward (see module docstring)."""
 
-    def __init__(self, model_cfg: DictConfig, engine: EngineSettings | DictConfig, mesh: Mesh):
+    def __init__(self, model_cfg: DictConfig, engine: EngineSettings | DictConfig, mesh: Mesh,
+                 reserve_pages: int = 0):
+        """`reserve_pages`: pages' worth of device memory to leave out of a pool sized by
+        `engine.kv_memory_fraction` (`reserved_pages`: P's held KV copies)."""
         engine = engine_settings(engine)  # a config node is typed and checked here
+        self.reserve_pages = int(reserve_pages)
         # the checkpoint's config; `config` is what runs (KV heads repeated when fewer than tp)
         self.model_config: ModelConfig = model_config_from_cfg(model_cfg)
         self.mesh = mesh
@@ -139,7 +150,7 @@ class ModelRunner:
         if fraction is None:
             n = engine.num_pages
         else:
-            stats = self.mesh.devices.flat[0].memory_stats()
+            stats = self._memory_stats()
             if not stats or "bytes_limit" not in stats:
                 raise ValueError(
                     f"engine.kv_memory_fraction={fraction} needs device memory statistics, "
@@ -148,11 +159,25 @@ class ModelRunner:
             limit = int(stats["bytes_limit"])
             free = limit - int(stats.get("bytes_in_use", 0))
             budget = min(fraction * limit, 0.95 * free)
-            n = int(budget // self.page_bytes_per_device())
+            n = int(budget // self.page_bytes_per_device()) - self.reserve_pages
+            if n < 2 and self.reserve_pages:
+                raise ValueError(
+                    f"engine.kv_memory_fraction={fraction} leaves room for "
+                    f"{n + self.reserve_pages} KV pages, and "
+                    f"disaggregation.max_held_kv_pages={self.reserve_pages} of them are kept "
+                    "for the KV copies waiting for decode servers: lower "
+                    "disaggregation.max_held_kv_pages or raise engine.kv_memory_fraction")
+            if self.reserve_pages:
+                log.info("KV pool: %d pages; %d pages' worth of memory kept for held KV copies "
+                         "(disaggregation.max_held_kv_pages)", n, self.reserve_pages)
         if n < 2:
             raise ValueError(f"engine.num_pages={n}: the pool needs at least 2 pages "
                              "(page 0 is reserved padding)")
         return n
+
+    def _memory_stats(self) -> dict[str, Any] | None:
+        """The first device's memory statistics (None where the backend keeps none)."""
+        return self.mesh.devices.flat[0].memory_stats()
 
     def _allocate_pool(self) -> list[jax.Array]:
         cfg = self.config
