@@ -73,6 +73,10 @@ CASES = {
                                     "auto, true or false"]),
     "bad_kv_timeout": (["disaggregation.kv_timeout_s=0"],
                        ["disaggregation.kv_timeout_s", "0", "a number > 0"]),
+    "bad_max_peers": (["disaggregation.side_channel_max_peers=0"],
+                      ["disaggregation.side_channel_max_peers", "0", "an integer >= 1"]),
+    "bad_peer_idle": (["disaggregation.side_channel_peer_idle_s=-1"],
+                      ["disaggregation.side_channel_peer_idle_s", "-1", "a number > 0"]),
 }
 
 

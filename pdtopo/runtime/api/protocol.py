@@ -2,20 +2,51 @@
 
 These models only check shapes and types; value checks (ranges, context length, unknown
 sampling keys) happen when a body is turned into engine requests (`SamplingParams.from_dict`,
-`Scheduler.check_fits`). Unknown top-level fields are ignored (the sglang router may add some);
+`Scheduler.check_fits`). The exception: the PD routing fields (`bootstrap_host`, `_port`,
+`_room`), checked here in full (strict types, ranges, a valid host), since D dials them
+(docs/protocol.md#bootstrap-fields). Unknown top-level fields are ignored (the sglang router may add some);
 unknown sampling parameters are rejected there.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
-from pdtopo.runtime.engine.request import InvalidRequest
+from pdtopo.runtime.engine.request import (
+    InvalidRequest,
+    bootstrap_host_problem,
+    bootstrap_port_problem,
+    bootstrap_room_problem,
+)
 
 Scalar = str | int | None
+
+
+def _checked(problem, name: str) -> AfterValidator:
+    """A pydantic check of one PD routing field with the engine's rule (a 400 naming it)."""
+    def check(value):
+        why = problem(value)
+        if why is not None:
+            raise ValueError(f"{name} {why}")
+        return value
+    return AfterValidator(check)
+
+
+# strict: a bool, a float or a numeric string is a wrong type here, not a port or a room
+_Host = Annotated[StrictStr, _checked(bootstrap_host_problem, "bootstrap_host")]
+_Port = Annotated[StrictInt, _checked(bootstrap_port_problem, "bootstrap_port")]
+_Room = Annotated[StrictInt, _checked(bootstrap_room_problem, "bootstrap_room")]
 
 
 class _Body(BaseModel):
@@ -30,10 +61,13 @@ class GenerateRequest(_Body):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] | None = None
-    bootstrap_host: str | list[str | None] | None = None
-    bootstrap_port: int | list[int | None] | None = None
-    bootstrap_room: int | list[int | None] | None = None
+    return_logprob: Any = None       # refused unless neutral: see refuse_logprob_fields
+    top_logprobs_num: Any = None
+    logprob_start_len: Any = None
+    token_ids_logprob: Any = None
+    bootstrap_host: _Host | list[_Host | None] | None = None
+    bootstrap_port: _Port | list[_Port | None] | None = None
+    bootstrap_room: _Room | list[_Room | None] | None = None
 
 
 class StreamOptions(_Body):
@@ -58,11 +92,12 @@ class _OpenAICommon(_Body):
     repetition_penalty: float | None = None
     min_p: float | None = None
     logprobs: Any = None
+    top_logprobs: Any = None
     user: str | None = None
     rid: str | None = None
-    bootstrap_host: str | list[str | None] | None = None
-    bootstrap_port: int | list[int | None] | None = None
-    bootstrap_room: int | list[int | None] | None = None
+    bootstrap_host: _Host | list[_Host | None] | None = None
+    bootstrap_port: _Port | list[_Port | None] | None = None
+    bootstrap_room: _Room | list[_Room | None] | None = None
 
 
 class CompletionRequest(_OpenAICommon):
@@ -78,6 +113,27 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_OpenAICommon):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+
+
+# /generate's logprob fields and the value each may have until logprobs exist (sglang's defaults)
+_GENERATE_LOGPROB_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "return_logprob": (None, False), "top_logprobs_num": (None, 0),
+    "logprob_start_len": (None, -1), "token_ids_logprob": (None,)}
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """Whether a field (or each entry of a batch's list) has a value that asks for nothing."""
+    items = value if isinstance(value, list) else [value]
+    return all(v in allowed for v in items)
+
+
+def refuse_logprob_fields(body: GenerateRequest) -> None:
+    """Logprobs are not implemented: a /generate field asking for them is a 400 naming it."""
+    for name, allowed in _GENERATE_LOGPROB_NEUTRAL.items():
+        value = getattr(body, name)
+        if not _neutral(value, allowed):
+            raise InvalidRequest(name, f"{name}={value!r} is not supported "
+                                       "(pdtopo does not compute logprobs)")
 
 
 async def parse_body(request, model: type[BaseModel]):

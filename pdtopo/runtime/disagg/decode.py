@@ -41,7 +41,12 @@ from pdtopo.runtime.disagg.messages import prefix_digest
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
 from pdtopo.runtime.disagg.pd_timeline import decode_timeline
 from pdtopo.runtime.disagg.peers import PeerDirectory
-from pdtopo.runtime.engine.request import FinishReason, Req
+from pdtopo.runtime.engine.request import (
+    FinishReason,
+    InvalidRequest,
+    Req,
+    check_bootstrap_fields,
+)
 
 log = logging.getLogger("pdtopo.disagg.decode")
 
@@ -60,8 +65,11 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         super().__init__(*args, **kwargs)
         self._init_disaggregation()
         lookup = self.bootstrap.find_prefill if self.bootstrap is not None else None
+        channel = self.kv_manager.channel  # its resolver and bound serve the peer checks too
         self.peers = PeerDirectory(lookup, self.registration_info,
-                                   on_lookup=self.pd_metrics.lookup_seconds.observe)
+                                   on_lookup=self.pd_metrics.lookup_seconds.observe,
+                                   resolver=channel.resolver, max_entries=4 * channel.max_peers,
+                                   max_pending=channel.max_peers)
         self.prealloc_queue: deque[PendingTransfer] = deque()
         self.transfer_queue: list[PendingTransfer] = []
         self.ready_queue: deque[PendingTransfer] = deque()  # KV in the pool, awaiting a slot
@@ -105,12 +113,17 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
             super().handle_new_request(req)  # /health_generate: local prefill + decode, no P
             return
         if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
-            self.finish_request(req, FinishReason.abort(
+            self.refuse_request(req, FinishReason.abort(
                 "this is a decode server: requests need bootstrap_host, bootstrap_port and "
                 "bootstrap_room (send them through the PD proxy)", 400))
             return
+        try:  # checked at the HTTP layer; a Req built elsewhere is checked here, before any socket
+            check_bootstrap_fields(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+        except InvalidRequest as exc:
+            self.refuse_request(req, FinishReason.abort(exc.message, 400))
+            return
         addr = f"{req.bootstrap_host}:{int(req.bootstrap_port)}"
-        if self.reject_if_invalid(req):
+        if self.reject_if_invalid(req):  # a live request with its rid keeps its transfer
             self._tell_prefill(req, addr)
             return
         held, digest = self._match_decode_prefix(req)
@@ -118,7 +131,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
             receiver = self.kv_manager.create_receiver(int(req.bootstrap_room), addr,
                                                        cached_pages=held, prefix_hash=digest)
         except (KVTransferError, ValueError) as exc:
-            self.finish_request(req, FinishReason.abort(f"bootstrap fields: {exc}", 400))
+            self.refuse_request(req, FinishReason.abort(f"bootstrap fields: {exc}", 400))
             return
         self.register_request(req)
         pending = PendingTransfer(req, receiver, addr)
@@ -222,8 +235,9 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         self.finish_request(p.req, FinishReason.abort(f"KV transfer failed: {exc}", status))
 
     def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
-        p = self._pending.pop(req.rid, None)
-        if p is not None:
+        p = self._pending.get(req.rid)
+        if p is not None and p.req is req:  # never the transfer of a live duplicate's rid
+            del self._pending[req.rid]
             if p in self.prealloc_queue:
                 self.prealloc_queue.remove(p)
             if p in self.transfer_queue:
@@ -237,11 +251,16 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
 
     def pd_state(self) -> dict[str, Any]:
         self.pd_metrics.rooms_in_flight.set(len(self._pending))
+        stats = self.kv_manager.channel.stats()
         return {**super().pd_state(),
                 "pd_prealloc": len(self.prealloc_queue), "pd_transfers": len(self.transfer_queue),
                 "pd_ready": len(self.ready_queue), "pd_pulled_pages": self.num_pulled_pages,
                 "pd_pulled_bytes": self.num_pulled_bytes,
-                "pd_decode_cached_pages": self.num_decode_cached_pages}
+                "pd_decode_cached_pages": self.num_decode_cached_pages,
+                "pd_side_channel_peers": stats.get("peers_open", 0),
+                "pd_side_channel_peers_closed": stats.get("peers_closed", 0),
+                "pd_side_channel_peers_refused": stats.get("peer_refused", 0),
+                "pd_peer_cache": self.peers.cached()}
 
     def stop(self, timeout: float = 30.0) -> None:
         super().stop(timeout)

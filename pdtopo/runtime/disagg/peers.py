@@ -6,6 +6,12 @@ background thread: the scheduler loop never waits on HTTP) and compares P's regi
 its own (page size, KV dtype, model identity, KV layout). `status(addr)` answers without
 blocking: `("pending", None)`, `("ok", entry)` or `("error", message)`. Results are cached for
 `ttl_s`; errors for a shorter time so that a restarted, fixed peer is picked up again.
+
+Bounds (the address comes from the request): a host name is resolved by the shared
+`HostResolver` first (the lookup thread never calls DNS for a client's name; it is given the
+IPv4 address); at most `max_entries` results are cached (expired ones are dropped first, then
+the oldest) and at most `max_pending` lookups wait for the lookup thread (past that an address
+stays "pending" until a slot frees: the request waits, within its kv_timeout_s).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdtopo.runtime.disagg.mixin_base import compatibility_problems
+from pdtopo.runtime.disagg.resolve import HostResolver
 
 Lookup = Callable[[str, int], dict[str, Any]]
 
@@ -24,8 +31,14 @@ Lookup = Callable[[str, int], dict[str, Any]]
 class PeerDirectory:
     def __init__(self, lookup: Lookup | None, mine: dict[str, Any], *, ttl_s: float = 30.0,
                  error_ttl_s: float = 2.0,
-                 on_lookup: Callable[[float], None] | None = None):
+                 on_lookup: Callable[[float], None] | None = None,
+                 resolver: HostResolver | None = None, max_entries: int = 256,
+                 max_pending: int = 64):
         self._lookup = lookup
+        self._owns_resolver = resolver is None
+        self._resolver = resolver or HostResolver(1, max_pending=max_pending)
+        self.max_entries = max_entries
+        self.max_pending = max_pending
         self._on_lookup = on_lookup  # seconds one bootstrap lookup took (lookup thread)
         self._mine = mine
         self.ttl_s = ttl_s
@@ -45,22 +58,45 @@ class PeerDirectory:
                 return cached[0], cached[1]
             fut = self._pending.get(addr)
             if fut is None:
-                self._pending[addr] = self._pool.submit(self._resolve, addr)
-                return "pending", None
+                return self._start(addr)
             if not fut.done():
                 return "pending", None
             del self._pending[addr]
         status, value = fut.result()
-        ttl = self.ttl_s if status == "ok" else self.error_ttl_s
         with self._lock:
-            self._cache[addr] = (status, value, time.monotonic() + ttl)
+            self._store(addr, status, value)
         return status, value
 
-    def _resolve(self, addr: str) -> tuple[str, Any]:
+    def _start(self, addr: str) -> tuple[str, Any]:
+        """Under the lock: resolve the host (never blocking), then queue the registry lookup."""
         host, _, port = addr.rpartition(":")
+        status, ip = self._resolver.lookup(host)
+        if status == "error":
+            self._store(addr, status, f"cannot resolve prefill peer {addr}: {ip}")
+            return "error", self._cache[addr][1]
+        if status == "ok" and len(self._pending) < self.max_pending:
+            self._pending[addr] = self._pool.submit(self._resolve, addr, ip, int(port))
+        return "pending", None
+
+    def _store(self, addr: str, status: str, value: Any) -> None:
+        """Under the lock: cache a result; past max_entries drop expired ones, then the oldest."""
+        ttl = self.ttl_s if status == "ok" else self.error_ttl_s
+        now = time.monotonic()
+        self._cache[addr] = (status, value, now + ttl)
+        if len(self._cache) > self.max_entries:
+            for key in [k for k, v in self._cache.items() if v[2] <= now]:
+                del self._cache[key]
+        while len(self._cache) > self.max_entries:
+            del self._cache[min(self._cache, key=lambda k: self._cache[k][2])]
+
+    def cached(self) -> int:
+        with self._lock:
+            return len(self._cache)
+
+    def _resolve(self, addr: str, ip: str, port: int) -> tuple[str, Any]:
         t0 = time.monotonic()
         try:
-            entry = self._lookup(host, int(port))
+            entry = self._lookup(ip, port)
         except Exception as exc:  # noqa: BLE001 - any lookup failure is reported to the client
             return "error", f"cannot resolve prefill peer {addr}: {exc}"
         finally:
@@ -74,3 +110,5 @@ class PeerDirectory:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._owns_resolver:
+            self._resolver.close()

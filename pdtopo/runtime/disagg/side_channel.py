@@ -1,5 +1,11 @@
 """ZMQ side channel: P binds a ROUTER, D talks to each P through a cached DEALER.
 
+D's DEALERs are bounded (the endpoint comes from a request, docs/protocol.md#bootstrap-fields):
+at most `max_peers` open, each closed after `peer_idle_s` with no room in flight, the least
+recently used idle one closed to make room, and a room for one more P while every DEALER has a
+room in flight fails at once (503). A DEALER connects to an IPv4 address: a host name is first
+resolved by the `HostResolver`'s own threads while its messages wait here (`_parked`).
+
 One I/O thread owns every ZMQ socket of the channel (ZMQ sockets are not thread-safe). Other
 threads never touch a socket:
 
@@ -40,11 +46,13 @@ refused handshakes); all side-channel traffic is encrypted.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -55,6 +63,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pdtopo.runtime.disagg import messages as m
 from pdtopo.runtime.disagg.curve import CurveKeys, admit_only, release, secure_dealer, secure_router
+from pdtopo.runtime.disagg.resolve import HostResolver
+from pdtopo.runtime.worker_threads import (
+    NO_FAULT,
+    CrashHandler,
+    FaultInjector,
+    WorkerThread,
+    crash_process,
+)
 from pdtopo.runtime.zmq_source import source_fd
 
 log = logging.getLogger(__name__)
@@ -63,6 +79,9 @@ _TO_P = ("want", "done", "failed")   # types a ROUTER accepts
 _TO_D = ("ready", "failed")          # types a DEALER accepts
 PEER_GONE_STATUS = 503  # a retryable status: the router may send the request elsewhere
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+# a DEALER used this recently is never closed to make room for another (what it was last given
+# has long been flushed when it is closed, with LINGER 0), so at most max_peers are closed a second
+_EVICT_GRACE_S = 1.0
 
 
 class Peer(NamedTuple):
@@ -82,12 +101,27 @@ class SideChannel:
     """A side-channel endpoint; `bind` ("host:port", port 0 = any) makes it a P (ROUTER)."""
 
     def __init__(self, *, bind: str | None = None, max_bytes: int = 65536,
-                 name: str = "side-channel", curve: CurveKeys | None = None) -> None:
-        """`curve`: the deployment's CURVE keys (pdtopo.runtime.disagg.curve): the ROUTER
-        admits only peers that hold them and every DEALER presents them; None: plain TCP."""
+                 name: str = "side-channel", curve: CurveKeys | None = None,
+                 max_peers: int = 64, peer_idle_s: float = 60.0, resolve_threads: int = 2,
+                 resolver: HostResolver | None = None,
+                 on_crash: CrashHandler = crash_process, fault: FaultInjector = NO_FAULT) -> None:
+        """`on_crash(name, exc)`: the I/O thread died (default: end the process; see
+        pdtopo.runtime.worker_threads); `fault` kills it on purpose (testing).
+        `curve`: the deployment's CURVE keys (pdtopo.runtime.disagg.curve): the ROUTER
+        admits only peers that hold them and every DEALER presents them; None: plain TCP.
+        `max_peers` DEALERs at most, each closed after `peer_idle_s` without a room in flight;
+        host names are resolved by `resolver` (one of `resolve_threads` threads by default)."""
         if max_bytes < 256:
             raise ValueError(f"side_channel_max_bytes must be >= 256, got {max_bytes}")
+        if max_peers < 1 or not peer_idle_s > 0:
+            raise ValueError(f"side_channel_max_peers must be >= 1 and side_channel_peer_idle_s "
+                             f"> 0, got {max_peers} and {peer_idle_s}")
         self.max_bytes = int(max_bytes)
+        self.max_peers = int(max_peers)
+        self.peer_idle_s = float(peer_idle_s)
+        self._owns_resolver = resolver is None
+        self.resolver = resolver or HostResolver(resolve_threads, max_pending=self.max_peers,
+                                                 max_entries=4 * self.max_peers)
         self.name = name
         self.curve = curve
         self._curve_users = 0  # 1 while this ROUTER holds the context's authenticator
@@ -99,6 +133,11 @@ class SideChannel:
         self._dealers: dict[str, zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, str] = {}   # DEALER monitor -> P endpoint
         self._down: set[str] = set()                 # DEALER endpoints known unreachable
+        self._last_used: dict[str, float] = {}       # DEALER endpoint -> last send/receive
+        # DEALER endpoints whose host name is being resolved -> (msg, data) to send then
+        self._parked: dict[str, list[tuple[m.Message, bytes]]] = {}
+        self._dealer_ids = itertools.count()         # each DEALER has its own identity
+        self._next_sweep = 0.0
         self._router_monitor: zmq.Socket | None = None
         self._peer_fds: dict[bytes, int] = {}        # ROUTER: D identity -> its connection fd
         self._owners: dict[int, bytes] = {}      # ROUTER: room -> D identity
@@ -134,7 +173,8 @@ class SideChannel:
                 self._abandon()
                 raise
             self.address = f"{host}:{self.port}"
-        self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
+        self._fault = fault
+        self._thread = WorkerThread(f"{name}-io", self._run, on_crash)
         self._thread.start()
 
     # ------------------------------------------------------------------ owner-thread API
@@ -168,6 +208,8 @@ class SideChannel:
         self._thread.join(timeout=5)
         self._wake_r.close()
         self._wake_w.close()
+        if self._owns_resolver:
+            self.resolver.close()
         if self._curve_users:
             self._curve_users = 0
             release(self._ctx)
@@ -181,6 +223,8 @@ class SideChannel:
             self._router.close(linger=0)
         self._wake_r.close()
         self._wake_w.close()
+        if self._owns_resolver:
+            self.resolver.close()
         if self._curve_users:
             self._curve_users = 0
             release(self._ctx)
@@ -206,22 +250,130 @@ class SideChannel:
         self._count("dropped")
         log.warning("%s: dropped message from %s %r: %s", self.name, peer.kind, peer.key, why)
 
-    def _dealer(self, endpoint: str) -> zmq.Socket:
+    # DEALERs (D side): opened on first use, at most max_peers, closed when idle
+    def _send_dealer(self, endpoint: str, msg: m.Message, data: bytes) -> bool:
+        """Send through `endpoint`'s DEALER, opening it first (to the host's IPv4 address:
+        ZMQ never resolves a name itself). False when not sent now: parked until the host name
+        resolves, or refused (no peer slot, a name that does not resolve)."""
         sock = self._dealers.get(endpoint)
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
+            if endpoint in self._parked:
+                self._parked[endpoint].append((msg, data))
+                return False
+            if not self._peer_slot():
+                self._refuse(endpoint, msg, f"cannot be reached: this decode server has "
+                             f"side_channel_max_peers={self.max_peers} prefill connections, "
+                             f"all with rooms in flight")
+                return False
+            host, _, port = endpoint.rpartition(":")
+            status, ip = self.resolver.lookup(host, lambda: self._resolved(endpoint))
+            if status == "pending":
+                self._parked[endpoint] = [(msg, data)]
+                return False
+            if status == "error":
+                self._refuse(endpoint, msg, f"cannot be reached: {ip}")
+                return False
+            try:
+                sock = self._open_dealer(endpoint, f"{ip}:{port}")
+            except zmq.ZMQError as e:
+                self._refuse(endpoint, msg, f"cannot be reached: {e}")
+                return False
+        self._last_used[endpoint] = time.monotonic()
+        sock.send(data, flags=zmq.NOBLOCK)
+        return True
+
+    def _resolved(self, endpoint: str) -> None:
+        """Resolver thread: `endpoint`'s host name is resolved (or failed); wake the I/O thread."""
+        try:
+            self._put(("resolved", endpoint))
+        except RuntimeError:
+            pass  # closed meanwhile
+
+    def _flush_parked(self, endpoint: str) -> None:
+        for msg, data in self._parked.pop(endpoint, []):
+            try:
+                if self._send_dealer(endpoint, msg, data):
+                    self._count(f"sent_{msg.type}")
+            except zmq.ZMQError as e:
+                self._count("send_errors")
+                log.error("%s: send of %s for room %s to %s failed: %s", self.name, msg.type,
+                          msg.room, endpoint, e)
+
+    def _refuse(self, endpoint: str, msg: m.Message, what: str) -> None:
+        """Not sent: a `want` still expected from `endpoint` fails its room at once (503)."""
+        self._count("peer_refused")
+        log.warning("%s: not sending %s for room %s: %s %s", self.name, msg.type, msg.room,
+                    endpoint, what)
+        if msg.type == "want" and self._expected.get(msg.room) == endpoint:
+            self._fail_expected(endpoint, what, [msg.room])
+
+    def _peer_slot(self) -> bool:
+        """Room for one more DEALER: under max_peers, or after closing the least recently used
+        one with no room in flight."""
+        if len(self._dealers) + len(self._parked) < self.max_peers:
+            return True
+        busy = set(self._expected.values())
+        now = time.monotonic()
+        idle = [e for e in self._dealers
+                if e not in busy and now - self._last_used.get(e, 0.0) >= _EVICT_GRACE_S]
+        if not idle:
+            return False
+        self._close_dealer(min(idle, key=lambda e: self._last_used.get(e, 0.0)))
+        return True
+
+    def _open_dealer(self, endpoint: str, target: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        monitor = None
+        try:
             if self.curve is not None:
                 secure_dealer(sock, self.curve)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, self._identity)
+            sock.setsockopt(zmq.IDENTITY, b"%s-%d" % (self._identity, next(self._dealer_ids)))
             sock.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
             monitor = sock.get_monitor_socket(_MONITORED)
-            sock.connect(f"tcp://{endpoint}")
-            self._dealers[endpoint] = sock
-            self._monitors[monitor] = endpoint
-            self._poller.register(sock, zmq.POLLIN)
-            self._poller.register(monitor, zmq.POLLIN)
+            sock.connect(f"tcp://{target}")
+        except Exception:  # leave nothing open behind
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            raise
+        self._dealers[endpoint] = sock
+        self._monitors[monitor] = endpoint
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+        self._gauge("peers_open", len(self._dealers))
         return sock
+
+    def _close_dealer(self, endpoint: str) -> None:
+        sock = self._dealers.pop(endpoint)
+        for monitor in [mon for mon, e in self._monitors.items() if e == endpoint]:
+            del self._monitors[monitor]
+            self._poller.unregister(monitor)
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        self._poller.unregister(sock)
+        sock.close(linger=0)
+        self._down.discard(endpoint)
+        self._last_used.pop(endpoint, None)
+        self._count("peers_closed")
+        self._gauge("peers_open", len(self._dealers))
+
+    def _close_idle(self) -> None:
+        """At most once a second: close every DEALER idle for peer_idle_s with no room."""
+        now = time.monotonic()
+        if now < self._next_sweep or not self._dealers:
+            return
+        self._next_sweep = now + 1.0
+        self._apply_forgets()
+        busy = set(self._expected.values())
+        for endpoint in [e for e in self._dealers if e not in busy
+                         and now - self._last_used.get(e, now) >= self.peer_idle_s]:
+            self._close_dealer(endpoint)
+
+    def _gauge(self, key: str, value: int) -> None:
+        with self._stats_lock:
+            self._stats[key] = value
 
     def _recv_monitor(self, monitor: zmq.Socket, endpoint: str) -> None:
         """Connection events of one DEALER; a disconnect fails the rooms expected from it."""
@@ -306,7 +458,8 @@ class SideChannel:
                     if peer.key in self._down:  # P is known to be down: do not wait for it
                         self._fail_expected(peer.key, "is unreachable", [msg.room])
                         return
-                self._dealer(peer.key).send(data, flags=zmq.NOBLOCK)
+                if not self._send_dealer(peer.key, msg, data):
+                    return  # parked (counted once sent) or refused
             self._count(f"sent_{msg.type}")
         except (zmq.ZMQError, RuntimeError) as e:
             self._count("send_errors")
@@ -371,6 +524,7 @@ class SideChannel:
             except zmq.Again:
                 return
             peer = Peer("dealer", endpoint)
+            self._last_used[endpoint] = time.monotonic()
             body = [f for f in frames if f]
             if len(body) != 1:
                 self._drop(peer, f"expected one payload frame, got {len(frames)} frames")
@@ -390,6 +544,8 @@ class SideChannel:
                 return
             if item[0] == "send":
                 self._do_send(item[1], item[2])
+            elif item[0] == "resolved":
+                self._flush_parked(item[1])
             elif item[0] == "forget":  # a send queued before forget() may have re-added it
                 self._owners.pop(item[1], None)
                 self._expected.pop(item[1], None)
@@ -412,8 +568,10 @@ class SideChannel:
         try:
             while not self._stop.is_set():
                 ready = dict(self._poller.poll(200))
+                self._close_idle()
                 if not ready:
                     continue
+                self._fault.tick()  # testing: server.fault_inject_thread=side_channel
                 self._apply_forgets()
                 self._drain_outbox()
                 if self._router is not None and self._router in ready:
@@ -441,6 +599,7 @@ class SideChannel:
             monitor.close(linger=0)
         self._monitors.clear()
         self._dealers.clear()
+        self._parked.clear()
         if self._router is not None:
             self._router.disable_monitor()
             self._router_monitor.close(linger=0)

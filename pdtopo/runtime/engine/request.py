@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 import itertools
 import math
 import queue
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +32,53 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.field = field_name
         self.message = message
+
+
+# The PD routing fields a client (or the PD router) supplies. D dials `bootstrap_host:
+# bootstrap_port`, so they are checked before anything is opened (docs/protocol.md#bootstrap-fields).
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\Z")
+
+
+def bootstrap_host_problem(host: Any) -> str | None:
+    """Why `host` is not an IPv4 address or a DNS host name (RFC 1123); None when it is one."""
+    if not isinstance(host, str):
+        return f"must be a string, got {type(host).__name__}"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        return None if ip.version == 4 else "must be an IPv4 address or a host name (P's side " \
+            "channel listens on IPv4)"
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if not 0 < len(host) <= 253 or not all(_HOST_LABEL.match(x) for x in labels):
+        return "must be an IPv4 address or a host name (letters, digits, '-' and '.', " \
+            "labels of 1-63 characters)"
+    if labels[-1].isdigit():
+        return "is not a valid IPv4 address"
+    return None
+
+
+def bootstrap_port_problem(port: Any) -> str | None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        return "must be an integer in [1, 65535]"
+    return None
+
+
+def bootstrap_room_problem(room: Any) -> str | None:
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= UINT64_MAX:
+        return "must be an integer in [0, 2**64)"
+    return None
+
+
+def check_bootstrap_fields(host: Any, port: Any, room: Any) -> None:
+    """InvalidRequest (400) naming the first bad one of the fields given (None: not given)."""
+    for name, value, problem in (("bootstrap_host", host, bootstrap_host_problem),
+                                 ("bootstrap_port", port, bootstrap_port_problem),
+                                 ("bootstrap_room", room, bootstrap_room_problem)):
+        why = problem(value) if value is not None else None
+        if why is not None:
+            raise InvalidRequest(name, f"{name} {why}, got {value!r}"[:300])
 
 
 # sglang sampling keys pdtopo accepts only at their neutral value (the Rust router may forward them).
