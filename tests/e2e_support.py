@@ -210,6 +210,28 @@ def stream_generate(url: str, payload: dict, timeout: float = 120) -> list[dict]
     return chunks
 
 
+OVERSIZE_BYTES = 50 * 1024 * 1024  # a body far over server.max_body_bytes (8 MiB by default)
+
+
+def post_oversize(url: str, path: str = "/generate", size: int = OVERSIZE_BYTES,
+                  timeout: float = 30) -> tuple[httpx.Response, float]:
+    """POST a /generate-shaped JSON body of `size` bytes to `url`; (the answer, seconds from
+    the first byte sent to the whole answer read)."""
+    body = b'{"text": "' + b"a" * (size - 12) + b'"}'
+    t0 = time.perf_counter()
+    resp = httpx.post(f"{url}{path}", content=body, timeout=timeout,
+                      headers={"content-type": "application/json"})
+    return resp, time.perf_counter() - t0
+
+
+def assert_refused_at_once(url: str, path: str = "/generate", within_s: float = 1.0) -> None:
+    """A 50 MB body to `url` is answered 413 within `within_s`: not read, tokenized or
+    forwarded, not a reset or a timeout."""
+    resp, took = post_oversize(url, path)
+    assert resp.status_code == 413, f"{url}{path}: {resp.status_code} {resp.text[:300]}"
+    assert took < within_s, f"{url}{path}: the 413 took {took:.2f} s"
+
+
 def pool_state(url: str) -> dict:
     return httpx.get(f"{url}/pdtopo/state", timeout=10).json()
 

@@ -6,6 +6,8 @@ pool is back to its baseline (/pdtopo/state). Shutdown by SIGTERM must exit 0.""
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -197,7 +199,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(url):
                 break  # got the first token; leave -> connection closed
     wait_pools_baseline(url, timeout=20)
     generated = httpx.get(url + "/pdtopo/state").json()["num_generated"] - before
-    assert generated < 1000, generated
+    assert generated < 900, generated
     metrics = httpx.get(url + "/metrics").text
     assert 'pdtopo:requests_total{finish="abort",role="colocated"}' in metrics
 
@@ -218,3 +220,114 @@ def test_metrics_names(url):
                  "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput",
                  "pdtopo:free_pages", "pdtopo:requests_total"):
         assert name in text, name
+
+
+LOGPROB_FIELDS = [  # (route, body, the refused field, its neutral value: served)
+    ("/generate", {"text": "x", "return_logprob": True}, "return_logprob", False),
+    ("/generate", {"input_ids": [[1], [2]], "return_logprob": [False, True]}, "return_logprob",
+     [False, False]),
+    ("/generate", {"text": "x", "top_logprobs_num": 3}, "top_logprobs_num", 0),
+    ("/generate", {"text": "x", "logprob_start_len": 0}, "logprob_start_len", -1),
+    ("/generate", {"text": "x", "token_ids_logprob": [5]}, "token_ids_logprob", None),
+    ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs", 0),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs", 0),
+]
+
+
+@pytest.mark.parametrize("path,body,field,neutral", LOGPROB_FIELDS,
+                         ids=[f"{p}-{f}" for p, _, f, _ in LOGPROB_FIELDS])
+def test_logprob_fields_are_400_naming_the_field(url, path, body, field, neutral):
+    """Logprobs are not computed: asking for them is refused, never silently dropped; the
+    field at its neutral value asks for nothing and is served."""
+    before = httpx.get(url + "/pdtopo/state").json()["num_generated"]
+    r = post(url, path, body)
+    assert r.status_code == 400, (body, r.text)
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"], err
+    assert httpx.get(url + "/pdtopo/state").json()["num_generated"] == before
+    limit = {"sampling_params": {"max_new_tokens": 2}} if path == "/generate" \
+        else {"max_tokens": 2}
+    r = post(url, path, {**body, field: neutral, **limit})
+    assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- duplicate request ids
+DUP_TOKENS = 200  # the original is still decoding while its duplicates arrive
+
+
+def dup_body(rid: str | None = None, **extra) -> dict:
+    body = {"text": "the original of a duplicate",
+            "sampling_params": {"max_new_tokens": DUP_TOKENS, "temperature": 0,
+                                "ignore_eos": True}, **extra}
+    return {**body, "rid": rid} if rid is not None else body
+
+
+def read_stream(url: str, body: dict, first: threading.Event | None = None) -> list[dict]:
+    """Every data chunk of a streaming /generate, read to its end; `first` is set at the
+    first one."""
+    chunks = []
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+                if first is not None:
+                    first.set()
+    return chunks
+
+
+def first_event(url: str, body: dict) -> dict:
+    """The first data chunk of a streaming /generate; then the client leaves."""
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        line = next(ln for ln in r.iter_lines() if ln.startswith("data: "))
+    return json.loads(line[len("data: "):])
+
+
+def test_a_duplicate_rid_is_refused_and_the_original_completes(url):
+    """Issue 30 item 2: a second request with the rid of a live one gets 400 naming the rid;
+    neither it nor its client leaving (streaming or not) touches the original, whose stream
+    ends with every token of a reference run; once it is done the rid is free again."""
+    rid = "dup-X"
+    reference = gen(url, dup_body())["output_ids"]
+    assert len(reference) == DUP_TOKENS
+    first = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        original = pool.submit(read_stream, url, dup_body(rid), first)
+        assert first.wait(30), "the original never streamed its first token"
+        r = post(url, "/generate", dup_body(rid))  # its client leaves with the answer
+        assert r.status_code == 400, r.text
+        assert rid in r.json()["error"]["message"] and "duplicate" in r.json()["error"]["message"]
+        refused = first_event(url, dup_body(rid))  # a streaming duplicate, then it leaves
+        assert refused["error"]["code"] == 400 and rid in refused["error"]["message"], refused
+        with httpx.stream("POST", url + "/generate", json={**dup_body(rid), "stream": True},
+                          timeout=60) as r:
+            assert r.status_code == 200  # a streaming duplicate that leaves before any event
+        assert not original.done(), "the original finished before its duplicates were sent"
+        chunks = original.result(timeout=120)
+    assert not any("error" in c for c in chunks), chunks[-1]
+    final = chunks[-1]
+    assert final["meta_info"]["id"] == rid
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": DUP_TOKENS}
+    assert final["output_ids"] == reference
+    after = gen(url, dup_body(rid))  # the rid is free again
+    assert after["meta_info"]["id"] == rid and after["output_ids"] == reference
+
+
+def test_the_original_of_a_refused_duplicate_still_aborts_when_its_client_leaves(url):
+    """The refused duplicate must not unregister the original: its own client leaving still
+    aborts it (before the fix it decoded all its tokens for nobody)."""
+    rid = "dup-Y"
+    before = httpx.get(url + "/pdtopo/state").json()["num_generated"]
+    body = dup_body(rid, stream=True)
+    body["sampling_params"]["max_new_tokens"] = 900
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()  # kept open (a dropped generator would close the stream)
+        assert next(ln for ln in lines if ln.startswith("data: "))
+        dup = post(url, "/generate", dup_body(rid))
+        assert dup.status_code == 400 and rid in dup.json()["error"]["message"], dup.text
+    wait_pools_baseline(url, timeout=20)
+    generated = httpx.get(url + "/pdtopo/state").json()["num_generated"] - before
+    assert generated < 900, generated

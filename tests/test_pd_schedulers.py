@@ -266,3 +266,90 @@ def test_decode_rejection_reaches_prefill_quickly(cluster):
         _baseline(p)
     finally:
         d.stop()
+
+
+def _dup(req, prompt_ids, room, p):
+    """Another request with `req`'s rid (its own prompt and room)."""
+    dup = _req(prompt_ids, 4, room, p)
+    dup.rid = req.rid
+    return dup
+
+
+def test_duplicate_rid_at_decode_leaves_the_original_transfer(cluster):
+    """D refuses a request whose rid is live (400 naming it) without touching the original:
+    the original's pending transfer completes with the colocated tokens, and a later abort of
+    the original by its rid still ends it at once (not after kv_timeout_s)."""
+    p, d = cluster["prefill"], cluster["decode"]
+    prompt = list(range(7, 30))
+    ref = _req(prompt, 8)
+    cluster["colocated"].submit(ref)
+    ref_ids, _ = ref.sink.collect(30)
+    rp, rd = _req(prompt, 8, 7001, p), _req(prompt, 8, 7001, p)
+    d.submit(rd)  # waits for P's KV: P has not seen the room yet
+    dup = _dup(rd, [3, 4, 5], 7002, p)
+    d.submit(dup)
+    _, dup_out = dup.sink.collect(10)
+    assert dup_out.finish_reason["status_code"] == 400
+    assert f"duplicate request id rid={rd.rid!r}" in dup_out.finish_reason["message"]
+    p.submit(rp)
+    d_ids, d_out = rd.sink.collect(30)
+    assert d_out.finish_reason["type"] == "length" and d_ids == ref_ids
+    # the original's abort still works after a refused duplicate
+    live = _req(prompt, 8, 7003, p)
+    d.submit(live)
+    dup2 = _dup(live, [3, 4, 5], 7004, p)
+    d.submit(dup2)
+    assert dup2.sink.collect(10)[1].finish_reason["status_code"] == 400
+    t0 = time.monotonic()
+    d.abort(live.rid, only=live)
+    _, out = live.sink.collect(10)
+    assert out.finish_reason["status_code"] == 499 and time.monotonic() - t0 < 5
+    for role in ("prefill", "decode"):
+        _baseline(cluster[role])
+
+
+def test_duplicate_rid_at_prefill_leaves_the_original_sender(cluster):
+    """P refuses a request whose rid is live (400 naming it) and fails the duplicate's room at
+    D; the original keeps its sender: D receives its KV and answers with the colocated tokens."""
+    cfg = compose_config(OVERRIDES)
+    p = make_scheduler(_ctx(cfg, "prefill"), ModelRunner(cfg.model, cfg.engine, build_mesh(1)),
+                       load_tokenizer(cfg.model))
+    d = cluster["decode"]
+    try:
+        prompt = list(range(9, 40))
+        ref = _req(prompt, 6)
+        cluster["colocated"].submit(ref)
+        ref_ids, _ = ref.sink.collect(30)
+        rp, rd = _req(prompt, 6, 7101, p), _req(prompt, 6, 7101, p)
+        dup = _dup(rp, [3, 4, 5], 7102, p)
+        dup_d = _req([3, 4, 5], 4, 7102, p)  # D's half of the duplicate
+        d.submit(rd)
+        d.submit(dup_d)
+        p.submit(rp)
+        p.submit(dup)
+        p.drain_inbox()  # both arrive before P prefills anything: the rid is live
+        _, dup_out = dup.sink.collect(5)
+        assert dup_out.finish_reason["status_code"] == 400
+        assert f"duplicate request id rid={rp.rid!r}" in dup_out.finish_reason["message"]
+        assert p.reqs.get(rp.rid) is rp and rp in p.waiting
+        deadline = time.monotonic() + 30
+        while not rp.finished:
+            p.step()
+            assert time.monotonic() < deadline
+        p_ids, p_out = rp.sink.collect(5)
+        assert p_out.finish_reason["type"] == "length" and p_ids == ref_ids[:1]
+        deadline = time.monotonic() + 30
+        while not (rd.finished and dup_d.finished):  # P's loop answers D (want, done)
+            p.step()
+            assert time.monotonic() < deadline
+        d_ids, d_out = rd.sink.collect(5)
+        assert d_out.finish_reason["type"] == "length" and d_ids == ref_ids
+        _, dup_d_out = dup_d.sink.collect(5)  # the refused room fails at D, not at its timeout
+        assert dup_d_out.finish_reason["status_code"] == 400
+        assert "duplicate request id" in dup_d_out.finish_reason["message"]
+        for _ in range(50):
+            p.step()
+        _baseline(p)
+        _baseline(d)
+    finally:
+        p.kv_manager.close()

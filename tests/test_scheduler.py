@@ -200,18 +200,42 @@ def test_engine_error_fails_only_that_batch_and_loop_survives():
     assert_baseline(s)
 
 
-def test_duplicate_rid_rejected_and_factory_roles():
-    s = Scheduler(make_ctx(max_running_requests=1), FakeRunner(64, 4), FakeTokenizer())
-    a, _ = mk("same", [3, 4], n=20)
-    b, sb = mk("same", [3, 4], n=20)
+def test_duplicate_rid_is_refused_and_the_original_is_untouched():
+    """A second request with a live rid gets a 400 naming the rid; the original stays the
+    scheduler's: it completes with all its tokens, and its rid still aborts it."""
+    s = Scheduler(make_ctx(max_running_requests=2), FakeRunner(64, 4), FakeTokenizer())
+    a, sa = mk("same", [3, 4], n=20)
+    b, sb = mk("same", [5, 6], n=20)
     s.submit(a)
+    s.step()  # a is admitted and prefilled
     s.submit(b)
+    s.abort("same", only=b)  # the duplicate's client leaves before it is refused
     s.step()
     _, last = collect(sb)
-    assert "duplicate request id" in last.finish_reason["message"]
-    s.abort("same")
+    assert last.finish_reason["status_code"] == 400
+    assert "duplicate request id rid='same'" in last.finish_reason["message"]
+    assert s.reqs.get("same") is a and not a.finished
+    run_until_idle(s)
+    ids, last = collect(sa)
+    assert ids == reference([3, 4], 20) and last.finish_reason["type"] == "length"
+    assert_baseline(s)
+    # a later abort of the original (its client gone) still reaches it
+    c, sc = mk("again", [3, 4], n=40)
+    s.submit(c)
+    s.step()
+    d, sd = mk("again", [7], n=5)
+    s.submit(d)
+    s.step()
+    assert collect(sd)[1].finish_reason["status_code"] == 400
+    s.abort("again", only=c)
+    s.step()
+    ids, last = collect(sc)
+    assert last.finish_reason["status_code"] == 499 and len(ids) < 40
     run_until_idle(s)
     assert_baseline(s)
+
+
+def test_factory_roles():
     ctx = make_ctx()
     assert type(make_scheduler(ctx, FakeRunner(), FakeTokenizer())) is Scheduler
     from dataclasses import replace

@@ -81,14 +81,15 @@ def build_engine(ctx: ProcessContext, tokenizer, metrics):
     """One mesh, one runner and the role's scheduler (P, D or colocated), warmed up."""
     # deferred: these import JAX, which loads on the loader thread while /health answers 503
     from pdtopo.runtime.engine.mesh import build_mesh
-    from pdtopo.runtime.engine.model_runner import ModelRunner, warmup_kinds
+    from pdtopo.runtime.engine.model_runner import ModelRunner, reserved_pages, warmup_kinds
     from pdtopo.runtime.scheduler_factory import make_scheduler
 
     cfg = ctx.cfg
     tp = int(ctx.process.get("mesh", {}).get("tp", 1))
     mesh = build_mesh(tp)
     log.info("mesh tp=%d on %s", tp, [str(d) for d in mesh.devices.flat])
-    runner = ModelRunner(cfg.model, ctx.settings.engine, mesh)
+    runner = ModelRunner(cfg.model, ctx.settings.engine, mesh,
+                         reserve_pages=reserved_pages(ctx.settings, ctx.role))
     log.info("model loaded (%d KV pages x %d tokens); warming up ...", runner.num_pages,
              runner.page_size)
     runner.warmup(**warmup_kinds(ctx.role))

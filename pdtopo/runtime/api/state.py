@@ -4,12 +4,18 @@
 loads and compiles); the loader sets `tokenizer`, `scheduler` and `ready`. `prepare()` validates
 one prompt + sampling dict (raising `InvalidRequest` naming the field) and `submit()` hands the
 request to the scheduler with an `AsyncSink`, returning a `Handle` the route awaits.
+`off_loop(fn, ...)` runs the slow part of turning a body into prompts (tokenizing, a chat
+template) on a small pool of threads, so the event loop keeps serving other requests' streams
+and /health while a long prompt is encoded (the `tokenizers` library releases the GIL).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,9 @@ from pdtopo.runtime.engine.request import (
 )
 
 DISAGG_MODE = {"colocated": "null", "prefill": "prefill", "decode": "decode"}
+# prompts tokenized at once off the event loop (more wait in the pool's queue); bodies are
+# bounded by server.max_body_bytes
+TOKENIZE_THREADS = 4
 
 
 class EngineUnavailable(RuntimeError):
@@ -66,7 +75,8 @@ class Handle:
 
     def abort(self) -> None:
         if self.final is None and self.state.scheduler is not None:
-            self.state.scheduler.abort(self.rid)
+            # this request only: a refused duplicate must not abort the live one with its rid
+            self.state.scheduler.abort(self.rid, self.req)
 
 
 class ServerState:
@@ -85,6 +95,7 @@ class ServerState:
         self.http_in_flight = 0
         self.load_error: str | None = None
         self.created = int(time.time())
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     # ------------------------------------------------------------------ info
     @property
@@ -125,6 +136,12 @@ class ServerState:
         return self.scheduler
 
     # ------------------------------------------------------------------ requests
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the tokenize pool, awaited (its exception, e.g. InvalidRequest, is
+        raised here): for work that takes long on a big body, never on the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, functools.partial(fn, *args))
+
     def encode_text(self, text: Any, field_name: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequest(field_name, f"{field_name} must be a string")

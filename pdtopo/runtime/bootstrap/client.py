@@ -18,6 +18,13 @@ from typing import Any
 import httpx
 
 from pdtopo.runtime.bootstrap.protocol import Heartbeat, Registration
+from pdtopo.runtime.worker_threads import (
+    NO_FAULT,
+    CrashHandler,
+    FaultInjector,
+    WorkerThread,
+    crash_process,
+)
 
 log = logging.getLogger("pdtopo.bootstrap_client")
 
@@ -101,14 +108,19 @@ class BootstrapClient:
 class RegistrationKeeper:
     """Keeps one rank registered: register, heartbeat, re-register after 404 or outage."""
 
-    def __init__(self, client: BootstrapClient, reg: Registration, interval_s: float = 5.0):
+    def __init__(self, client: BootstrapClient, reg: Registration, interval_s: float = 5.0, *,
+                 on_crash: CrashHandler = crash_process, fault: FaultInjector = NO_FAULT):
+        """`on_crash(name, exc)`: the thread died (default: end the process, which would
+        otherwise drop out of the registry while /health stays 200); `fault` kills it on
+        purpose at its N-th heartbeat (testing: server.fault_inject_thread=bootstrap_keeper)."""
         self.client = client
         self.reg = reg
         self.interval_s = interval_s
         self.registrations = 0  # how many times PUT /route succeeded (tests read it)
         self._stop = threading.Event()
         self._registered = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bootstrap-keeper", daemon=True)
+        self._fault = fault
+        self._thread = WorkerThread("bootstrap-keeper", self._run, on_crash)
         self._hb = Heartbeat(
             role=reg.role, instance_id=reg.instance_id, tp_rank=reg.tp_rank,
             cp_rank=reg.cp_rank, dp_rank=reg.dp_rank, pp_rank=reg.pp_rank,
@@ -140,6 +152,8 @@ class RegistrationKeeper:
                 elif not self.client.heartbeat(self._hb):
                     log.warning("bootstrap server forgot %s; registering again", self.reg.instance_id)
                     self._register()
+                else:
+                    self._fault.tick()
                 delay = self.interval_s
             except BootstrapError as exc:
                 log.warning("%s (retrying)", exc)

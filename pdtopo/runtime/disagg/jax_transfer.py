@@ -73,6 +73,8 @@ from pdtopo.runtime.disagg.kvpoll import KVPoll, KVPollState
 from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces, same_layout
 from pdtopo.runtime.disagg.side_channel import Peer, SideChannel, SideChannelEvent
 from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+from pdtopo.runtime.engine.request import bootstrap_host_problem
+from pdtopo.runtime.worker_threads import server_fault
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,9 @@ def _check_endpoint(addr: str, what: str) -> str:
     host, _, port = str(addr).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what} must be host:port, got {addr!r}")
+    why = bootstrap_host_problem(host)  # checked before any socket is opened for it
+    if why is not None:
+        raise ValueError(f"{what}: the host {why}, got {addr!r}")
     return f"{host}:{int(port)}"
 
 
@@ -505,7 +510,11 @@ class JaxTransferKVManager(BaseKVManager):
                                    f"{exc}") from None
         try:
             channel = SideChannel(bind=bind, max_bytes=d.side_channel_max_bytes,
-                                  name=f"{ctx.name}-side", curve=curve)
+                                  name=f"{ctx.name}-side", curve=curve,
+                                  max_peers=d.side_channel_max_peers,
+                                  peer_idle_s=d.side_channel_peer_idle_s,
+                                  resolve_threads=d.resolve_threads,
+                                  fault=server_fault(ctx.settings, "side_channel"))
         except Exception:
             engine.close()
             raise

@@ -25,6 +25,7 @@ from pdtopo.runtime.disagg.reshard import (
     layout_problems,
     same_layout,
 )
+from pdtopo.runtime.worker_threads import server_fault
 
 log = logging.getLogger("pdtopo.disagg")
 
@@ -147,8 +148,9 @@ class DisaggregationMixinBase:
     def start(self) -> None:
         if self.bootstrap is not None:
             boot = self.ctx.settings.bootstrap
-            self._keeper = RegistrationKeeper(self.bootstrap, self.registration,
-                                              boot.heartbeat_interval_s).start()
+            self._keeper = RegistrationKeeper(
+                self.bootstrap, self.registration, boot.heartbeat_interval_s,
+                fault=server_fault(self.ctx.settings, "bootstrap_keeper")).start()
             timeout = boot.register_timeout_s
             if not self._keeper.wait_registered(timeout):
                 self._keeper.stop()

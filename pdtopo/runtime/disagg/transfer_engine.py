@@ -47,6 +47,14 @@ import numpy as np
 from pdtopo.config.settings import check_value
 from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.disagg.faults import FaultInjector
+from pdtopo.runtime.worker_threads import (
+    NO_FAULT,
+    CrashHandler,
+    WorkerThread,
+    crash_process,
+    server_fault,
+)
+from pdtopo.runtime.worker_threads import FaultInjector as ThreadFault
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +134,11 @@ class JaxTransferKVEngine:
                  transfer_size_mb: float = 1, raw_buffers: str | bool = "auto",
                  pull_workers: int = 4,
                  fault_injection_prob: float = 0.0, seed: int = 0,
-                 sweep_interval_s: float = 0.5, client: Any = None) -> None:
+                 sweep_interval_s: float = 0.5, client: Any = None,
+                 on_crash: CrashHandler = crash_process, fault: ThreadFault = NO_FAULT) -> None:
+        """`on_crash(name, exc)`: the housekeeping thread died (default: end the process, as
+        without it pulls never time out and P's registrations never expire); `fault` kills it
+        on purpose (testing: server.fault_inject_thread=kv_sweep)."""
         # deferred: the disaggregation modules stay importable without JAX
         import jax
         from jax.experimental import transfer
@@ -153,8 +165,8 @@ class JaxTransferKVEngine:
         self.pull_executor = cf.ThreadPoolExecutor(max_workers=int(pull_workers),
                                                    thread_name_prefix="kv-pull")
         self._stop = threading.Event()
-        self._housekeeper = threading.Thread(target=self._housekeeping, name="kv-engine-sweep",
-                                             daemon=True)
+        self._sweep_fault = fault
+        self._housekeeper = WorkerThread("kv-engine-sweep", self._housekeeping, on_crash)
         self._housekeeper.start()
 
     @classmethod
@@ -165,7 +177,7 @@ class JaxTransferKVEngine:
                    transfer_sockets=d.transfer_sockets, transfer_size_mb=d.transfer_size_mb,
                    raw_buffers=d.transfer_raw_buffers, pull_workers=d.pull_workers,
                    fault_injection_prob=d.fault_injection_prob,
-                   seed=ctx.settings.engine.seed)
+                   seed=ctx.settings.engine.seed, fault=server_fault(ctx.settings, "kv_sweep"))
 
     # ------------------------------------------------------------------ P side
     def new_uuid(self) -> int:
@@ -373,10 +385,13 @@ class JaxTransferKVEngine:
                 now = time.monotonic()
                 with self._lock:
                     late = [p for p in self._pulls.values() if now >= p.deadline]
+                    busy = bool(self._rooms or self._pulls)
                 for p in late:  # pull watchdog: the library itself never gives up
                     self._time_out(p)
                 if now >= next_sweep:
                     next_sweep = now + self.sweep_interval_s
+                    if busy:  # a sweep with KV registered or pulled (testing: kv_sweep)
+                        self._sweep_fault.tick()
                     self.sweep()
             except Exception:
                 log.exception("kv engine housekeeping failed")

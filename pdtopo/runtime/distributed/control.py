@@ -19,7 +19,8 @@ the side channel's rule, `disaggregation.side_channel_curve`, judged by where th
 listens): the leader's ROUTER admits only that key, so a peer without the deployment token can
 neither join as a follower nor send acks (refused handshakes: `ControlServer.curve_denied`).
 
-Each endpoint has one I/O thread that owns its ZMQ sockets; other threads hand it outgoing
+Each endpoint has one I/O thread (a `WorkerThread`: its death ends the process, see
+pdtopo.runtime.worker_threads) that owns its ZMQ sockets; other threads hand it outgoing
 messages through an inproc PUSH socket (guarded by a lock), so no socket is shared.
 """
 
@@ -45,6 +46,13 @@ from pdtopo.runtime.disagg.curve import (
     secure_dealer,
     secure_router,
     side_channel_curve,
+)
+from pdtopo.runtime.worker_threads import (
+    NO_FAULT,
+    CrashHandler,
+    FaultInjector,
+    WorkerThread,
+    crash_process,
 )
 from pdtopo.runtime.zmq_source import source_fd
 
@@ -74,7 +82,8 @@ def _encode(msg: dict[str, Any]) -> bytes:
 class _Endpoint:
     """An I/O thread owning `sock` plus an inproc pipe for outgoing messages."""
 
-    def __init__(self, sock_type: int, name: str) -> None:
+    def __init__(self, sock_type: int, name: str, on_crash: CrashHandler,
+                 fault: FaultInjector) -> None:
         self._ctx = zmq.Context()
         self._curve = False  # this endpoint holds a share of the context's ZAP authenticator
         self.sock = self._ctx.socket(sock_type)
@@ -89,8 +98,11 @@ class _Endpoint:
         self._pipe_out.setsockopt(zmq.SNDHWM, 0)
         self._pipe_out.connect(inproc)
         self._pipe_lock = threading.Lock()
+        self._closed = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._fault = fault
+        # its death (an error escaping the loop's recovery) ends the process by default
+        self._thread = WorkerThread(name, self._run, on_crash)
         # connection closes of `sock`, delivered to `_on_disconnect(fd)` on the I/O thread
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
@@ -103,9 +115,20 @@ class _Endpoint:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._pipe_in, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        try:
+            self._loop(poller)
+        finally:  # also when the thread dies: its sockets go with it
+            self.sock.disable_monitor()
+            self._monitor.close(0)
+            self.sock.close(0)
+            self._pipe_in.close(0)
+
+    def _loop(self, poller: zmq.Poller) -> None:
         while not self._stop.is_set():
             try:
                 events = dict(poller.poll(50))
+                if events:  # testing: server.fault_inject_thread=lockstep_control
+                    self._fault.tick()
                 if self._pipe_in in events:
                     while True:
                         try:
@@ -139,10 +162,6 @@ class _Endpoint:
                 log.exception("control channel error: %s", exc)
             except Exception:
                 log.exception("control channel handler failed")
-        self.sock.disable_monitor()
-        self._monitor.close(0)
-        self.sock.close(0)
-        self._pipe_in.close(0)
 
     _source_fd: int | None = None  # descriptor of the connection the frames being handled came on
 
@@ -159,10 +178,12 @@ class _Endpoint:
         """Called on the I/O thread after every poll (at least every 50 ms)."""
 
     def close(self) -> None:
-        if not self._thread.is_alive():
+        if self._closed:
             return
-        self._queue_out([b"__close__"])
-        self._thread.join(timeout=5)
+        self._closed = True
+        if self._thread.is_alive():
+            self._queue_out([b"__close__"])
+            self._thread.join(timeout=5)
         with self._pipe_lock:
             self._pipe_out.close(0)
         self._release_curve()
@@ -181,8 +202,9 @@ class ControlServer(_Endpoint):
                  on_message: Callable[[int, dict[str, Any]], None] | None = None, *,
                  on_tick: Callable[[], None] | None = None,
                  on_follower_lost: Callable[[int], None] | None = None,
-                 ping_interval_s: float = 1.0, curve: CurveKeys | None = None) -> None:
-        super().__init__(zmq.ROUTER, "lockstep-control")
+                 ping_interval_s: float = 1.0, curve: CurveKeys | None = None,
+                 on_crash: CrashHandler = crash_process, fault: FaultInjector = NO_FAULT) -> None:
+        super().__init__(zmq.ROUTER, "lockstep-control", on_crash, fault)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.curve_denied = 0  # CURVE handshakes refused (another key, no token)
         host, _, port = bind_addr.rpartition(":")
@@ -269,8 +291,9 @@ class ControlClient(_Endpoint):
     """Follower side (see the module docstring)."""
 
     def __init__(self, connect_addr: str, process_id: int, *,
-                 leader_timeout_s: float = 30.0, curve: CurveKeys | None = None) -> None:
-        super().__init__(zmq.DEALER, "lockstep-control")
+                 leader_timeout_s: float = 30.0, curve: CurveKeys | None = None,
+                 on_crash: CrashHandler = crash_process, fault: FaultInjector = NO_FAULT) -> None:
+        super().__init__(zmq.DEALER, "lockstep-control", on_crash, fault)
         self.process_id = int(process_id)
         self.sock.setsockopt(zmq.IDENTITY, f"p{self.process_id}".encode())
         self.curve = curve is not None

@@ -55,7 +55,12 @@ from pdtopo.runtime.distributed.cluster import ClusterSpec
 from pdtopo.runtime.distributed.control import ControlClient, lockstep_curve
 from pdtopo.runtime.distributed.health import HealthServer
 from pdtopo.runtime.engine.mesh import build_mesh, local_process_index
-from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk, warmup_kinds
+from pdtopo.runtime.engine.model_runner import (
+    ModelRunner,
+    SeqChunk,
+    reserved_pages,
+    warmup_kinds,
+)
 from pdtopo.runtime.http_auth import HttpGuard
 
 log = logging.getLogger("pdtopo.distributed.follower")
@@ -306,7 +311,9 @@ def run_follower(ctx: Any, spec: ClusterSpec) -> int:
         mesh = build_mesh(tp)
         log.info("follower %s: mesh tp=%d on %s", ctx.name, tp,
                  [str(d) for d in mesh.devices.flat])
-        runner = ModelRunner(cfg.model, settings.engine, mesh)
+        # the leader's pool size: every process of the instance keeps the same reserve
+        runner = ModelRunner(cfg.model, settings.engine, mesh,
+                             reserve_pages=reserved_pages(settings, ctx.role))
         runner.warmup(**warmup_kinds(ctx.role))  # the same compiled steps as the leader
         pd = ctx.role in ("prefill", "decode")
         if pd:

@@ -50,6 +50,7 @@ from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.distributed.cluster import ClusterSpec
 from pdtopo.runtime.distributed.control import ControlServer, lockstep_curve
 from pdtopo.runtime.engine.request import FinishReason, ReqOutput
+from pdtopo.runtime.worker_threads import server_fault
 
 log = logging.getLogger("pdtopo.distributed.leader")
 
@@ -306,7 +307,7 @@ def attach_leader(ctx: Any, runner: Any) -> Any:
                            ctx.token)
     server = ControlServer(bind, spec.num_processes - 1, mirror.on_message,
                            on_tick=mirror.on_tick, on_follower_lost=mirror.follower_lost,
-                           curve=curve)
+                           curve=curve, fault=server_fault(ctx.settings, "lockstep_control"))
     mirror.attach(server)
     log.info("lockstep: waiting for %d follower(s) on %s%s", spec.num_processes - 1, bind,
              " (CURVE)" if curve is not None else "")

@@ -24,6 +24,8 @@ Outputs go to each request's sink (`ReqOutput`: new tokens; the finish reason at
 Extension points for the PD mixins (override, call super() where it makes sense):
 - `handle_new_request(req)`: a validated request arrives (P/D may route it to their own queues);
   `reject_if_invalid(req)` and `register_request(req)` are its two halves, for mixins to reuse.
+  A request refused before it is registered (never served, or its rid is live: a duplicate)
+  ends through `refuse_request(req, reason)`, which touches nothing keyed by its rid.
 - `on_prefill_finished(req, next_token)`: the prompt's KV is in the pool and the first output
   token is sampled. Default: `process_new_token` then `add_to_running`. P sends KV + token instead.
 - `add_to_running(req)`: put a request whose prompt KV is in pages it owns (`req.page_ids`,
@@ -34,6 +36,8 @@ Extension points for the PD mixins (override, call super() where it makes sense)
   its full computed pages go into the prefix cache first when `keeps_kv(req)`).
 - `make_prefix_cache(eng)`: the engine's `PrefixCache` or None (D keeps none by default).
 - `finish_request(req, reason)`: finish with a `FinishReason` dict, free, emit the final output.
+- `may_start(req)`: whether `schedule_prefill` may start a waiting request now (P: its budget
+  of held KV copies); a refusal keeps it and those behind it waiting.
 - `has_work()`, `schedule()`, `step()`, `event_loop()`, `idle_wait()`: the loop itself; mixins
   with their own queues poll them in `step()` and report pending work in `has_work()`.
 Helpers: `alloc_pages(n)`, `ensure_free(n)`, `pages_for(num_tokens)`, `make_chunk(...)`,
@@ -61,6 +65,7 @@ from pdtopo.runtime.engine.page_allocator import OutOfPages, PageAllocator
 from pdtopo.runtime.engine.prefix_cache import PrefixCache, reference_problems
 from pdtopo.runtime.engine.request import FinishReason, Req, ReqOutput, ReqStatus
 from pdtopo.runtime.engine.sampling import RowParams, Sampler
+from pdtopo.runtime.worker_threads import CrashHandler, WorkerThread, crash_process, server_fault
 
 log = logging.getLogger("pdtopo.scheduler")
 
@@ -123,6 +128,11 @@ class Scheduler:
         self._tput_window: deque[tuple[float, int]] = deque()
         self._evictable: tuple[float, int] = (-1e9, 0)  # (when counted, tree-only pages)
         self.alive = True
+        # the loop runs as a WorkerThread: an exception that escapes its own recovery (or an
+        # injected `server.fault_inject_thread=scheduler`) calls on_crash, which by default
+        # ends the process (supervisord restarts it) instead of leaving /health 200
+        self.on_crash: CrashHandler = crash_process
+        self.fault = server_fault(ctx.settings, "scheduler")
         self.publish_stats()
 
     # ------------------------------------------------------------------ thread-safe API
@@ -130,9 +140,11 @@ class Scheduler:
         """Hand a validated request to the scheduler thread."""
         self.inbox.put(("new", req))
 
-    def abort(self, rid: str) -> None:
-        """Abort a request (client gone); its pages are freed on the scheduler thread."""
-        self.inbox.put(("abort", rid))
+    def abort(self, rid: str, only: Req | None = None) -> None:
+        """Abort a request (client gone); its pages are freed on the scheduler thread.
+        `only`: abort the live request with this rid only if it is that object (the HTTP layer
+        passes its own request, so a refused duplicate's client cannot abort the original)."""
+        self.inbox.put(("abort", (rid, only)))
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> str | None:
         """Why a request can never be served (None if it can). Reads constants only."""
@@ -153,8 +165,16 @@ class Scheduler:
             return dict(self._stats)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.event_loop, name="scheduler", daemon=True)
+        self._thread = WorkerThread("scheduler", self.event_loop, self._thread_died)
         self._thread.start()
+
+    def _thread_died(self, name: str, exc: BaseException) -> None:
+        """The loop's thread ended with an exception: not alive (/health 503), then on_crash."""
+        self.alive = False
+        try:
+            self.publish_stats()
+        finally:
+            self.on_crash(name, exc)
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
@@ -232,7 +252,7 @@ class Scheduler:
         if kind == "new":
             self.handle_new_request(payload)
         elif kind == "abort":
-            self.handle_abort(payload)
+            self.handle_abort(*payload)
         elif kind == "flush_cache":
             if payload.set_running_or_notify_cancel():
                 payload.set_result(self._flush_cache())
@@ -249,13 +269,25 @@ class Scheduler:
         self.waiting.append(req)
 
     def reject_if_invalid(self, req: Req) -> bool:
-        """Finish `req` with a 400 if it can never be served or reuses a live rid."""
+        """Refuse `req` with a 400 if it can never be served or reuses a live rid; the live
+        request with that rid is left untouched (`refuse_request`)."""
         err = self.check_fits(len(req.prompt_ids), req.sampling.max_new_tokens)
         if err is None and req.rid in self.reqs:
-            err = f"duplicate request id rid={req.rid!r}"
+            err = (f"duplicate request id rid={req.rid!r}: a request with this id is in flight "
+                   "on this server")
         if err is not None:
-            self.finish_request(req, FinishReason.abort(err, 400))
+            self.refuse_request(req, FinishReason.abort(err, 400))
         return err is not None
+
+    def refuse_request(self, req: Req, reason: dict[str, Any]) -> None:
+        """End a request this scheduler never admitted: its final output goes to its own sink
+        and nothing keyed by its rid is touched (a live request may carry the same rid). Its
+        pages, if a mixin gave it some before refusing, go back to the pool."""
+        req.finish_reason = reason
+        self.release_kv(req, keep=False)
+        req.status = ReqStatus.FINISHED
+        self.emit(req)
+        self.metrics.request_finished(reason.get("type", "unknown"))
 
     def register_request(self, req: Req) -> None:
         """Own an admitted request: settle its seed, mark it waiting, index it by rid."""
@@ -270,8 +302,10 @@ class Scheduler:
             return (self.base_seed * 0x9E3779B97F4A7C15 + int(req.bootstrap_room)) % 2**63
         return self._seed_rng.getrandbits(63)
 
-    def handle_abort(self, rid: str) -> None:
+    def handle_abort(self, rid: str, only: Req | None = None) -> None:
         req = self.reqs.get(rid)
+        if only is not None and req is not only:
+            return  # the request that asked is not the live one (a refused duplicate)
         if req is not None and not req.finished:
             log.info("aborting %s", req)
             self.finish_request(req, FinishReason.abort("aborted by client", 499))
@@ -280,7 +314,8 @@ class Scheduler:
         req.finish_reason = reason
         self.free_request(req)
         req.status = ReqStatus.FINISHED
-        self.reqs.pop(req.rid, None)
+        if self.reqs.get(req.rid) is req:  # never another request that reuses the rid
+            del self.reqs[req.rid]
         self.emit(req)
         self.metrics.e2e.observe(time.monotonic() - req.arrival_time)
         self.metrics.request_finished(reason.get("type", "unknown"))
@@ -461,6 +496,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(batch.reqs) >= self.max_running:
                 break
+            if not self.may_start(req):
+                break  # FCFS: a mixin holds it back (P: its held-KV budget)
             fresh = not req.page_ids
             if fresh:
                 self.match_prefix(req)
@@ -487,6 +524,11 @@ class Scheduler:
             batch.completes.append(n == remaining)
             budget -= n
         return batch if batch.reqs else None
+
+    def may_start(self, req: Req) -> bool:
+        """Whether a waiting request may be scheduled now (always here; P holds back requests
+        whose KV copies would exceed `disaggregation.max_held_kv_pages`)."""
+        return True
 
     def schedule_decode(self) -> ScheduledBatch | None:
         for req in list(self.running):
@@ -519,6 +561,7 @@ class Scheduler:
                          len(req.output_ids))
 
     def run_batch(self, batch: ScheduledBatch) -> None:
+        self.fault.tick()  # testing: server.fault_inject_thread=scheduler kills the loop here
         try:
             logits = self.runner.forward(batch.chunks, padded=True)
             tokens = self.sampler.sample(logits, [self.row_params(r) for r in batch.reqs])

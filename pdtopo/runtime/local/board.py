@@ -34,10 +34,11 @@ class RequestBoard:
                 del self._live[req.rid]
                 self._aborted.discard(req.rid)
 
-    def abort(self, rid: str) -> bool:
-        """Mark a live request aborted (False: unknown or already finished)."""
+    def abort(self, rid: str, only: Any = None) -> bool:
+        """Mark a live request aborted (False: unknown or already finished, or not `only`
+        when given: a refused duplicate of the rid)."""
         with self._lock:
-            if rid not in self._live:
+            if rid not in self._live or (only is not None and self._live[rid] is not only):
                 return False
             self._aborted.add(rid)
             return True

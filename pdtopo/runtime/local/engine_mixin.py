@@ -1,8 +1,8 @@
 """What every engine of a local-disaggregation process shares: `LocalEngineMixin`.
 
 It sits in front of the ordinary `Scheduler` (behind the role mixin) and adds: the engine's
-name, its warmup, its thread as a `WorkerThread` (a crash ends the process), the
-fault-injection tick at every batch, the process-wide `RequestBoard` (every finished
+name, its warmup, its thread as a `WorkerThread` (a crash ends the process), its
+fault injector (`local.fault_inject_thread`; the engine ticks it at every batch), the process-wide `RequestBoard` (every finished
 request is dropped from it) and the process's `stopping` event.
 """
 
@@ -41,13 +41,13 @@ class LocalEngineMixin:
         t = self._thread
         return t is not None and t.is_alive()
 
-    def run_batch(self, batch) -> None:
-        self.fault.tick()
-        super().run_batch(batch)
-
     def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
         super().finish_request(req, reason)
         self.board.finished(req)
+
+    def refuse_request(self, req: Req, reason: dict[str, Any]) -> None:
+        super().refuse_request(req, reason)
+        self.board.finished(req)  # by identity: a refused duplicate leaves the live request
 
     def local_state(self) -> dict[str, Any]:
         return {}

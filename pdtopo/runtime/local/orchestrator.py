@@ -130,10 +130,11 @@ class LocalOrchestrator:
     def submit(self, req) -> None:
         self.prefills[next(self._rr) % len(self.prefills)].submit(req)
 
-    def abort(self, rid: str) -> None:
-        self.board.abort(rid)
+    def abort(self, rid: str, only=None) -> None:
+        """`only`: abort the live request with this rid only if it is that object."""
+        self.board.abort(rid, only)
         for e in self.engines:
-            e.abort(rid)
+            e.abort(rid, only)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> str | None:
         for e in self.engines:

@@ -36,9 +36,10 @@ class LocalPrefillMixin(LocalEngineMixin):
         self.num_handoffs = 0
 
     def handle_new_request(self, req: Req) -> None:
-        if not self.board.register(req):
-            self.finish_request(req, FinishReason.abort(
-                f"duplicate request id rid={req.rid!r}", 400))
+        if not self.board.register(req):  # refused without touching the live request
+            self.refuse_request(req, FinishReason.abort(
+                f"duplicate request id rid={req.rid!r}: a request with this id is in flight "
+                "on this server", 400))
             return
         super().handle_new_request(req)
 
