@@ -25,6 +25,8 @@ from pdtopo.config.schema import TopologyError
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "pallas", "gather")
 KERNEL_IMPLS = ("auto", "pallas", "xla")
+# the server threads `server.fault_inject_thread` can kill (pdtopo.runtime.worker_threads)
+FAULT_THREADS = ("scheduler", "side_channel", "kv_sweep", "bootstrap_keeper", "lockstep_control")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class DisaggregationSettings:
     transfer_backend: str = MISSING
     kv_timeout_s: float = MISSING
     sender_expiry_s: float = MISSING
+    max_held_kv_pages: int = MISSING
+    held_kv_wait_s: float = MISSING
     pull_workers: int = MISSING
     transfer_sockets: int = MISSING
     transfer_size_mb: float = MISSING
@@ -63,6 +67,9 @@ class DisaggregationSettings:
     fault_injection_prob: float = MISSING
     decode_prefix_cache: bool = MISSING
     side_channel_curve: Any = MISSING  # "auto" | true | false
+    side_channel_max_peers: int = MISSING
+    side_channel_peer_idle_s: float = MISSING
+    resolve_threads: int = MISSING
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,9 @@ class ServerSettings:
     bind_host: str | None = MISSING
     keep_alive_s: float = MISSING
     http_auth: Any = MISSING  # "auto" | true | false (pdtopo.config.credentials)
+    max_body_bytes: int = MISSING  # servers and the proxy answer 413 past it (pdtopo.body_limit)
+    fault_inject_thread: str | None = MISSING  # testing: one of FAULT_THREADS, or null
+    fault_inject_after_steps: int = MISSING
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "disaggregation.transfer_backend": ((lambda v: v == "jax"), "jax"),
     "disaggregation.kv_timeout_s": _POSITIVE,
     "disaggregation.sender_expiry_s": _POSITIVE,
+    "disaggregation.max_held_kv_pages": _at_least(1),
+    "disaggregation.held_kv_wait_s": _POSITIVE,
     "disaggregation.transfer_size_mb": _POSITIVE,
     "disaggregation.transfer_sockets": _at_least(1),
     "disaggregation.pull_workers": _at_least(1),
@@ -162,6 +174,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                             "a number in [0, 1]"),
     "disaggregation.side_channel_curve": ((lambda v: v == "auto" or isinstance(v, bool)),
                                           "auto, true or false"),
+    "disaggregation.side_channel_max_peers": _at_least(1),
+    "disaggregation.side_channel_peer_idle_s": _POSITIVE,
+    "disaggregation.resolve_threads": _at_least(1),
     "disaggregation.transfer_raw_buffers": ((lambda v: v == "auto" or isinstance(v, bool)),
                                             "auto, true or false"),
     "local.transfer_backlog": _at_least(1),
@@ -172,6 +187,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bootstrap.register_timeout_s": _POSITIVE,
     "server.keep_alive_s": _POSITIVE,
     "server.http_auth": ((lambda v: v == "auto" or isinstance(v, bool)), "auto, true or false"),
+    "server.max_body_bytes": _at_least(1024),
+    "server.fault_inject_thread": ((lambda v: v is None or v in FAULT_THREADS),
+                                   f"null or one of {', '.join(FAULT_THREADS)}"),
+    "server.fault_inject_after_steps": _at_least(1),
     "launcher.health_timeout_s": _POSITIVE,
     "launcher.drain_timeout_s": _POSITIVE,
     "launcher.prometheus_scrape_interval_s": _POSITIVE,
