@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdtopo.runtime.disagg.expiring_cache import ExpiringCache
 from pdtopo.runtime.disagg.mixin_base import compatibility_problems
 from pdtopo.runtime.disagg.resolve import HostResolver
 
@@ -37,7 +38,6 @@ class PeerDirectory:
         self._lookup = lookup
         self._owns_resolver = resolver is None
         self._resolver = resolver or HostResolver(1, max_pending=max_pending)
-        self.max_entries = max_entries
         self.max_pending = max_pending
         self._on_lookup = on_lookup  # seconds one bootstrap lookup took (lookup thread)
         self._mine = mine
@@ -45,17 +45,16 @@ class PeerDirectory:
         self.error_ttl_s = error_ttl_s
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="peer-lookup")
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[str, Any, float]] = {}   # addr -> (status, value, expiry)
+        self._cache = ExpiringCache(max_entries)  # addr -> (status, value)
         self._pending: dict[str, cf.Future] = {}
 
     def status(self, addr: str) -> tuple[str, Any]:
         if self._lookup is None:
             return "ok", None  # no bootstrap server in this process's plan: trust the proxy
-        now = time.monotonic()
         with self._lock:
             cached = self._cache.get(addr)
-            if cached is not None and cached[2] > now:
-                return cached[0], cached[1]
+            if cached is not None:
+                return cached
             fut = self._pending.get(addr)
             if fut is None:
                 return self._start(addr)
@@ -72,22 +71,16 @@ class PeerDirectory:
         host, _, port = addr.rpartition(":")
         status, ip = self._resolver.lookup(host)
         if status == "error":
-            self._store(addr, status, f"cannot resolve prefill peer {addr}: {ip}")
-            return "error", self._cache[addr][1]
+            message = f"cannot resolve prefill peer {addr}: {ip}"
+            self._store(addr, status, message)
+            return "error", message
         if status == "ok" and len(self._pending) < self.max_pending:
             self._pending[addr] = self._pool.submit(self._resolve, addr, ip, int(port))
         return "pending", None
 
     def _store(self, addr: str, status: str, value: Any) -> None:
-        """Under the lock: cache a result; past max_entries drop expired ones, then the oldest."""
-        ttl = self.ttl_s if status == "ok" else self.error_ttl_s
-        now = time.monotonic()
-        self._cache[addr] = (status, value, now + ttl)
-        if len(self._cache) > self.max_entries:
-            for key in [k for k, v in self._cache.items() if v[2] <= now]:
-                del self._cache[key]
-        while len(self._cache) > self.max_entries:
-            del self._cache[min(self._cache, key=lambda k: self._cache[k][2])]
+        """Under the lock: cache a result (errors for error_ttl_s, the rest for ttl_s)."""
+        self._cache.put(addr, status, value, self.ttl_s if status == "ok" else self.error_ttl_s)
 
     def cached(self) -> int:
         with self._lock:

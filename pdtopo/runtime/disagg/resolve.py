@@ -22,9 +22,10 @@ import concurrent.futures as cf
 import ipaddress
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
+
+from pdtopo.runtime.disagg.expiring_cache import ExpiringCache
 
 Result = tuple[str, Any]  # ("ok", ip) | ("pending", None) | ("error", message)
 
@@ -49,23 +50,21 @@ class HostResolver:
                  resolve: Callable[[str], str] = _getaddrinfo) -> None:
         self.ttl_s = ttl_s
         self.error_ttl_s = error_ttl_s
-        self.max_entries = max_entries
         self.max_pending = max_pending
         self._resolve = resolve
         self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resolve")
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[str, Any, float]] = {}   # host -> (status, value, expiry)
+        self._cache = ExpiringCache(max_entries)  # host -> ("ok", ip) | ("error", why)
         self._pending: dict[str, list[Callable[[], None]]] = {}  # host -> callbacks
 
     def lookup(self, host: str, on_done: Callable[[], None] | None = None) -> Result:
         """Never blocks. `on_done` (called on a pool thread) when a "pending" name is done."""
         if is_ipv4(host):
             return "ok", host
-        now = time.monotonic()
         with self._lock:
             hit = self._cache.get(host)
-            if hit is not None and hit[2] > now:
-                return hit[0], hit[1]
+            if hit is not None:
+                return hit
             waiting = self._pending.get(host)
             if waiting is None:
                 if len(self._pending) >= self.max_pending:
@@ -84,20 +83,10 @@ class HostResolver:
             result = "error", f"cannot resolve host name {host!r}: {exc}"
         ttl = self.ttl_s if result[0] == "ok" else self.error_ttl_s
         with self._lock:
-            self._store(host, result, time.monotonic() + ttl)
+            self._cache.put(host, result[0], result[1], ttl)
             callbacks = self._pending.pop(host, [])
         for cb in callbacks:
             cb()
-
-    def _store(self, host: str, result: Result, expiry: float) -> None:
-        """Under the lock: cache `result`, dropping expired entries, then the oldest."""
-        self._cache[host] = (result[0], result[1], expiry)
-        if len(self._cache) > self.max_entries:
-            now = time.monotonic()
-            for h in [h for h, v in self._cache.items() if v[2] <= now]:
-                del self._cache[h]
-        while len(self._cache) > self.max_entries:
-            del self._cache[min(self._cache, key=lambda h: self._cache[h][2])]
 
     def cached(self) -> int:
         with self._lock:
