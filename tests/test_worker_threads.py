@@ -8,6 +8,8 @@ the scheduler loop (also by a real exception escaping its crash handler: /health
 false), the side-channel I/O thread, the transfer engine's sweep thread, the bootstrap keeper
 and the lockstep control thread. One real server process shows the whole path: the scheduler
 thread dies at its first batch, /health stops answering 200 and the process exits within 5 s.
+A dp deployment (two colocated instances behind sglang-router, supervisord) shows the rest: the
+router stops choosing the dead instance, the survivor serves, the replacement rejoins.
 """
 
 from __future__ import annotations
@@ -208,3 +210,103 @@ def test_server_whose_scheduler_thread_dies_exits_within_5s(tmp_path):
         assert "worker thread scheduler crashed" in srv.log_tail(20000)
     finally:
         srv.stop()
+
+
+# ------------------------------------------------------------------ behind the router (dp)
+DP_FAULT_AFTER = 30  # the scheduler thread of every instance dies at its 30th batch
+DP_OVERRIDES = [
+    "topology=colocated_cpu", "topology.mode=dp", "topology.colocated.instances=2",
+    "topology.accelerator=cpu-2", *TINY_OVERRIDES,
+    "server.fault_inject_thread=scheduler", f"server.fault_inject_after_steps={DP_FAULT_AFTER}",
+    # retries off: the router would otherwise resend the killing request to the survivor
+    # (which would then reach its own 30th batch); every client sees its own request's fate
+    "proxy.retries=0", "proxy.health_check_interval_s=1", "proxy.request_timeout_s=60",
+]
+
+
+def short(url: str) -> httpx.Response:
+    """A two-batch request (its prefill and one decode step)."""
+    return httpx.post(f"{url}/generate", timeout=30, json={
+        "text": "short", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def generated(url: str) -> int:
+    return httpx.get(f"{url}/pdtopo/state", timeout=5).json()["num_generated"]
+
+
+@pytest.mark.slow
+def test_router_stops_routing_to_an_instance_whose_scheduler_thread_died(tmp_path):
+    """dp: two colocated instances behind sglang-router, each armed to lose its scheduler
+    thread at its 30th batch. One long request kills the instance serving it: its client gets
+    an error at once, that instance's /health stops answering 200 and its process exits
+    (status 70) within 5 s, the router marks it unhealthy, short requests meanwhile all succeed
+    on the survivor, and supervisord's replacement rejoins the router."""
+    from fault_support import program_pid, wait_restarted, wait_until
+
+    from pdtopo.launcher.router_admin import RouterAdmin
+    from pdtopo.launcher.supervisor_control import pid_alive
+    from tests.e2e_support import Deployment, deployment_overrides, port_block
+
+    dep = Deployment(tmp_path / "run", [*DP_OVERRIDES, *deployment_overrides(port_block(40))])
+    dep.launch()
+    try:
+        names = dep.names("colocated")
+        urls = {n: dep.url(n) for n in names}
+        pids = {n: program_pid(dep, n) for n in names}
+        router = RouterAdmin(dep.proxy_url)
+        assert all(router.health(u) for u in urls.values()), router.workers()
+        t0 = time.monotonic()
+        try:
+            r = httpx.post(f"{dep.proxy_url}/generate", timeout=30, json={
+                "text": "long", "sampling_params": {"max_new_tokens": 3 * DP_FAULT_AFTER,
+                                                    "temperature": 0, "ignore_eos": True}})
+            answer = f"HTTP {r.status_code}: {r.text[:200]}"
+            assert r.status_code >= 500, answer
+        except httpx.HTTPError as exc:  # the connection dropped with the process
+            answer = repr(exc)
+        client_s = time.monotonic() - t0
+
+        def one_dead() -> list[str]:
+            return [n for n in names if not healthy(urls[n])]
+        wait_until(one_dead, EXIT_WITHIN_S, interval=0.05, what="one /health != 200")
+        unhealthy_s = time.monotonic() - t0
+        (dead,) = one_dead()
+        (alive,) = [n for n in names if n != dead]
+        wait_until(lambda: not pid_alive(pids[dead]), EXIT_WITHIN_S, interval=0.05,
+                   what=f"{dead}'s pid {pids[dead]} gone")
+        exit_s = time.monotonic() - t0
+        assert exit_s < EXIT_WITHIN_S, exit_s
+        sup_log = (dep.run_dir / "supervisord.log").read_text()
+        assert f"exited: {dead} (exit status {CRASH_EXIT_CODE}; not expected)" in sup_log, \
+            sup_log[-2000:]
+        wait_until(lambda: router.health(urls[dead]) is not True, 10, interval=0.05,
+                   what=f"the router marking {dead} unhealthy")
+        out_s = time.monotonic() - t0
+        served = generated(urls[alive])
+        answers = [short(dep.proxy_url) for _ in range(5)]
+        assert [a.status_code for a in answers] == [200] * 5, [a.text[:200] for a in answers]
+        assert generated(urls[alive]) - served == 5 * 2  # all on the survivor
+        assert not healthy(urls[dead]), f"{dead} came back before the check ended"
+        back_s = wait_restarted(dep, dead, pids[dead], timeout=120)
+        wait_until(lambda: router.health(urls[dead]) is True, 30, what=f"{dead} back in router")
+        before = {n: generated(u) for n, u in urls.items()}
+        answers = [short(dep.proxy_url) for _ in range(4)]
+        assert [a.status_code for a in answers] == [200] * 4, [a.text[:200] for a in answers]
+        assert all(generated(u) > before[n] for n, u in urls.items()), "not both serving again"
+        print(f"\n[reliability] dp scheduler thread death, seconds after the killing request "
+              f"was sent: client error {client_s:.2f} ({answer[:60]}); /health not 200 "
+              f"{unhealthy_s:.2f}; process exited {exit_s:.2f}; router lists it unhealthy "
+              f"{out_s:.2f}; then 5/5 short requests served by {alive}; {dead} restarted and "
+              f"healthy {back_s:.1f} s after the exit check")
+    except BaseException:
+        print(dep.log_tails())
+        raise
+    finally:
+        dep.stop_and_check()
