@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import pytest
-import uvicorn
 
 from pdtopo.bench.loadgen import run_load
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.stats import summarize
 from pdtopo.bench.workload import BenchRequest
-from tests.conftest import free_port
+from tests.conftest import free_port, serve_in_thread
 
 TTFT_S, ITL_S, TOKENS = 0.10, 0.02, 10
 
@@ -56,18 +54,8 @@ async def fake_app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def fake_url():
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fake_app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(fake_app, lifespan="off") as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def _settings(**kw) -> BenchSettings:

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from sglang_router.launch_router import parse_router_args as router_args
 from smg.launch_router import parse_router_args as gateway_args
 
@@ -25,7 +23,7 @@ from pdtopo.config.settings import runtime_settings
 from pdtopo.launcher.nodelay_exec import inner_command
 from pdtopo.launcher.plan import expand_plan
 from pdtopo.runtime.api.http_probe import HttpProtocol
-from tests.conftest import REPO_ROOT, free_port
+from tests.conftest import REPO_ROOT, free_port, serve_in_thread
 from tests.e2e_support import post_oversize, wait_healthy
 
 LIMIT = 1024 * 1024
@@ -81,19 +79,9 @@ class _Echo:
 @pytest.fixture
 def limited():
     app = _Echo()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(
-        BodyLimitMiddleware(app, LIMIT, "server.max_body_bytes"), host="127.0.0.1", port=port,
-        log_level="warning", lifespan="off", http=HttpProtocol))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(BodyLimitMiddleware(app, LIMIT, "server.max_body_bytes"),
+                         lifespan="off", http=HttpProtocol) as port:
+        yield f"http://127.0.0.1:{port}", app
 
 
 def _chunks(total: int, size: int = 64 * 1024):

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from pdtopo.runtime.api.http_probe import H2_PREFACE, HttpProtocol
-from tests.conftest import free_port
+from tests.conftest import serve_in_thread
 
 
 @pytest.fixture
@@ -25,17 +23,8 @@ def server():
     def health() -> dict:
         return {"ok": True}
 
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                        http=HttpProtocol))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield port
-    srv.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app, http=HttpProtocol) as port:
+        yield port
 
 
 def _send(port: int, data: bytes) -> bytes:
