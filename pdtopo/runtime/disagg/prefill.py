@@ -140,10 +140,13 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         return err
 
     def may_start(self, req: Req) -> bool:
-        if req.rid not in self._senders:  # a health check: no copy
-            return super().may_start(req)
-        return self.held_budget.admits(req.rid, self.pages_for(len(req.prompt_ids)),
-                                       self.held_kv_pages()) and super().may_start(req)
+        budget = self.held_budget
+        # a health check makes no copy; an admitted request (a later chunk) holds its place:
+        # only a new one sums the held pages (once per waiting request per step at most)
+        if req.rid in self._senders and not budget.is_admitted(req.rid) and not budget.admits(
+                req.rid, self.pages_for(len(req.prompt_ids)), self.held_kv_pages()):
+            return False
+        return super().may_start(req)
 
     def _budget_waiting(self) -> list[Req]:
         """The waiting requests that the budget holds back (none while it is not full)."""
