@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pdtopo.launcher.supervisor_control import Supervisor
-from pdtopo.runtime.local.threads import CRASH_EXIT_CODE
+from pdtopo.runtime.worker_threads import CRASH_EXIT_CODE
 from tests.e2e_support import (
     Deployment,
     colocated_reference,

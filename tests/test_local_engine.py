@@ -18,9 +18,9 @@ from pdtopo.runtime.engine.model_runner import ModelRunner
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
 from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.local.engine import build_local_engine
-from pdtopo.runtime.local.threads import InjectedCrash
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.settings import direct_process_context
+from pdtopo.runtime.worker_threads import InjectedCrash
 from tests.e2e_support import baseline_problems
 
 ENGINE = ["model.num_layers=2", "engine.num_pages=48", "engine.page_size=8",

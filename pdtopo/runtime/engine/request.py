@@ -227,6 +227,12 @@ class FinishReason:
     def abort(message: str, status_code: int = 500) -> dict[str, Any]:
         return {"type": "abort", "message": message, "status_code": status_code}
 
+    @staticmethod
+    def duplicate(rid: str) -> dict[str, Any]:
+        """A request refused because another with its rid is live (that one is left alone)."""
+        return FinishReason.abort(f"duplicate request id rid={rid!r}: a request with this id "
+                                  "is in flight on this server", 400)
+
 
 @dataclass
 class ReqOutput:

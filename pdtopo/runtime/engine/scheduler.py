@@ -272,12 +272,11 @@ class Scheduler:
         """Refuse `req` with a 400 if it can never be served or reuses a live rid; the live
         request with that rid is left untouched (`refuse_request`)."""
         err = self.check_fits(len(req.prompt_ids), req.sampling.max_new_tokens)
-        if err is None and req.rid in self.reqs:
-            err = (f"duplicate request id rid={req.rid!r}: a request with this id is in flight "
-                   "on this server")
         if err is not None:
             self.refuse_request(req, FinishReason.abort(err, 400))
-        return err is not None
+        elif req.rid in self.reqs:
+            self.refuse_request(req, FinishReason.duplicate(req.rid))
+        return req.finished
 
     def refuse_request(self, req: Req, reason: dict[str, Any]) -> None:
         """End a request this scheduler never admitted: its final output goes to its own sink

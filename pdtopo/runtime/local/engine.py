@@ -34,8 +34,8 @@ from pdtopo.runtime.local.decode import LocalDecodeMixin
 from pdtopo.runtime.local.metrics_view import EngineMetricsView, GaugeBoard
 from pdtopo.runtime.local.orchestrator import LocalOrchestrator
 from pdtopo.runtime.local.prefill import LocalPrefillMixin
-from pdtopo.runtime.local.threads import CrashHandler, FaultInjector, crash_process
 from pdtopo.runtime.local.transfer import TransferWorker
+from pdtopo.runtime.worker_threads import CrashHandler, FaultInjector, crash_process
 
 log = logging.getLogger("pdtopo.local")
 

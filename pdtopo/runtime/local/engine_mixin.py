@@ -1,9 +1,10 @@
 """What every engine of a local-disaggregation process shares: `LocalEngineMixin`.
 
 It sits in front of the ordinary `Scheduler` (behind the role mixin) and adds: the engine's
-name, its warmup, its thread as a `WorkerThread` (a crash ends the process), its
-fault injector (`local.fault_inject_thread`; the engine ticks it at every batch), the process-wide `RequestBoard` (every finished
-request is dropped from it) and the process's `stopping` event.
+name, its warmup, its thread as a `WorkerThread` (a crash ends the process), its fault
+injector (`local.fault_inject_thread`; the engine ticks it at every batch), the process-wide
+`RequestBoard` (every finished or refused request is dropped from it) and the process's
+`stopping` event.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from pdtopo.runtime.engine.request import Req
 from pdtopo.runtime.local.board import RequestBoard
-from pdtopo.runtime.local.threads import CrashHandler, FaultInjector, WorkerThread
+from pdtopo.runtime.worker_threads import CrashHandler, FaultInjector, WorkerThread
 
 
 class LocalEngineMixin:

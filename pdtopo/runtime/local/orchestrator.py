@@ -26,8 +26,8 @@ from typing import Any
 
 from pdtopo.runtime.engine.request import FinishReason
 from pdtopo.runtime.local.board import DecodeLoad, RequestBoard
-from pdtopo.runtime.local.threads import CrashHandler, WorkerThread
 from pdtopo.runtime.local.transfer import TransferItem, TransferWorker
+from pdtopo.runtime.worker_threads import CrashHandler, WorkerThread
 
 log = logging.getLogger("pdtopo.local")
 

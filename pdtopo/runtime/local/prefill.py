@@ -37,9 +37,7 @@ class LocalPrefillMixin(LocalEngineMixin):
 
     def handle_new_request(self, req: Req) -> None:
         if not self.board.register(req):  # refused without touching the live request
-            self.refuse_request(req, FinishReason.abort(
-                f"duplicate request id rid={req.rid!r}: a request with this id is in flight "
-                "on this server", 400))
+            self.refuse_request(req, FinishReason.duplicate(req.rid))
             return
         super().handle_new_request(req)
 

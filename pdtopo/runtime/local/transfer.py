@@ -24,7 +24,7 @@ import jax
 
 from pdtopo.kernels.kv_heads import convert_heads
 from pdtopo.runtime.local.board import DecodeLoad
-from pdtopo.runtime.local.threads import FaultInjector
+from pdtopo.runtime.worker_threads import FaultInjector
 
 KV_READY = "local_kv_ready"  # inbox message that wakes a decode engine
 _POLL_S = 0.1
