@@ -9,7 +9,8 @@ running, and answering /health 200, with a silently dead scheduler, side-channel
 sweep, bootstrap keeper or lockstep control thread. In-process tests pass their own `on_crash`.
 
 `FaultInjector(worker, target, after)` is the testing knob behind `server.fault_inject_thread`
-/ `server.fault_inject_after_steps` (P/D/colocated servers; `THREAD_KINDS`) and
+/ `server.fault_inject_after_steps` (P/D/colocated servers; the threads
+`pdtopo.config.settings.FAULT_THREADS` names) and
 `local.fault_inject_thread` / `local.fault_inject_after_steps` (local mode): the named worker
 raises `InjectedCrash` at its N-th busy step (a batch, a side-channel wake-up, a sweep with
 registered KV, a heartbeat, a control-channel wake-up). `InjectedCrash` derives from
@@ -27,13 +28,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from pdtopo.config.settings import FAULT_THREADS
-
 log = logging.getLogger("pdtopo.threads")
 
 CRASH_EXIT_CODE = 70  # EX_SOFTWARE
-
-THREAD_KINDS = FAULT_THREADS  # the server threads `server.fault_inject_thread` can name
 
 CrashHandler = Callable[[str, BaseException], None]
 
@@ -98,7 +95,7 @@ NO_FAULT = FaultInjector("none", None, 1)  # a worker nobody targets
 
 
 def server_fault(settings: Any, worker: str) -> FaultInjector:
-    """The injector of one server thread (`worker` in THREAD_KINDS) from the process's
+    """The injector of one server thread (`worker` in FAULT_THREADS) from the process's
     `RuntimeSettings` (`server.fault_inject_thread`, `server.fault_inject_after_steps`)."""
     srv = settings.server
     return FaultInjector(worker, srv.fault_inject_thread, srv.fault_inject_after_steps,
