@@ -21,12 +21,12 @@ from pathlib import Path
 
 from pdtopo.bench.deployments import (
     DetachedDeployment,
-    free_port_block,
     port_overrides,
 )
 from pdtopo.bench.run import run_bench, url_of_plan, wait_serving
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.workload import synthetic
+from pdtopo.ports import free_port_block
 
 
 def launch(run_dir: Path, overrides: list[str]) -> tuple[DetachedDeployment, float, float]:
@@ -57,7 +57,7 @@ def bench_topology(topo: str, args, tmp: Path, common: list[str]) -> dict:
     dep, _, _ = launch(tmp / f"run-{topo}", [f"topology={topo}", *common,
                                               *port_overrides(free_port_block(40))])
     try:
-        settings = BenchSettings.from_config({
+        settings = BenchSettings.with_defaults({
             "num_requests": args.decode_requests + args.long_requests, "warmup_requests": 3,
             "max_concurrency": args.decode_requests + args.long_requests, "timeout_s": 300,
             "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},

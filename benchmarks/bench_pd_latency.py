@@ -31,10 +31,10 @@ import httpx
 from pdtopo.bench.deployments import (
     ColocatedProcess,
     DetachedDeployment,
-    free_port_block,
     port_overrides,
 )
 from pdtopo.model_config.random_checkpoint import write_random_checkpoint
+from pdtopo.ports import free_port_block
 
 SERVED_MODEL = "hf-local"  # conf/model/hf_local.yaml: model.name
 

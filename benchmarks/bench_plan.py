@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.plan import expand_plan
-from pdtopo.launcher.render_supervisord import render_supervisord
+from pdtopo.launcher.plan.expand import expand_plan
+from pdtopo.launcher.render.supervisord import render_supervisord
 
 GOAL_S = 0.5
 REPEATS = 5

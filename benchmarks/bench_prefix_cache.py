@@ -49,14 +49,14 @@ import httpx
 from pdtopo.bench.deployments import (
     ColocatedProcess,
     DetachedDeployment,
-    free_port_block,
     port_overrides,
 )
 from pdtopo.bench.loadgen import run_conversations
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.stats import percentile, summarize, ttft
 from pdtopo.bench.workload import multiturn
-from pdtopo.launcher.top import parse as parse_metrics
+from pdtopo.launcher.operate.top import parse as parse_metrics
+from pdtopo.ports import free_port_block
 
 PAGE = 16
 MODEL = ["model.hidden_size=256", "model.intermediate_size=512", "model.num_layers=8",
@@ -76,7 +76,7 @@ GATEWAY_CPU = ['proxy.extra_args=["--worker-wedge-secs","120","--worker-warmup-s
 
 
 def settings(args) -> BenchSettings:
-    return BenchSettings.from_config({
+    return BenchSettings.with_defaults({
         "workload": "multiturn", "output_len": 16, "warmup_requests": 0, "progress": False,
         "max_concurrency": args.conversations, "timeout_s": 300, "seed": 1,
         "multiturn": {"system_prompts": args.conversations, "system_len": args.context,

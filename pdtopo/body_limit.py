@@ -13,7 +13,7 @@ uvicorn reads and drops the rest of a refused body after the answer, so a client
 its whole body before it reads gets the 413 too, on a connection it can use again. The answer
 is the API's error body, `{"error": {"message", "type", "param", "code": 413}}`, its message
 naming the limit's config key and value. The Rust router and the model gateway enforce the
-same limit themselves (`--max-payload-size`, pdtopo.launcher.plan.router_command).
+same limit themselves (`--max-payload-size`, pdtopo.launcher.plan.expand.router_command).
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """`pdtopo` command line: dispatch on the verb, hand config-composing verbs to Hydra.
 
-  pdtopo launch [--detach] <hydra overrides> [-m]   bring a deployment up (see launcher/launch.py)
+  pdtopo launch [--detach] <hydra overrides> [-m]   bring a deployment up (launcher/operate/launch.py)
   pdtopo render [--format k8s] <hydra overrides>    write the run dir only (dry run); k8s:
                                                     also RUN/k8s/ (GKE manifests)
   pdtopo status [RUN_DIR] | stop [RUN_DIR]          operate on a run (latest by default)
   pdtopo logs PROGRAM [RUN_DIR] [-f]
   pdtopo drain PROGRAM|ROLE [RUN_DIR] [--undo] [--force]   take instances out of the router,
-                                                    let their requests finish (launcher/rolling.py)
+                                                    let their requests finish (launcher/operate/rolling.py)
   pdtopo restart PROGRAM|ROLE [RUN_DIR] [--force]   drain, restart, put back; one at a time
   pdtopo top [RUN_DIR] [--interval S] [--once]     live per-program table from /metrics
   pdtopo scale prefill=N decode=M [RUN_DIR]         add or remove instances of a running PD
-                                                    deployment (launcher/scale.py)
+                                                    deployment (launcher/operate/scale.py)
   pdtopo diff [--format rich|markdown] <overrides A> -- <overrides B>
   pdtopo diff --rev GITREV [--format ...] <overrides>
   pdtopo bench [URL] [--output FILE] [bench.KEY=VALUE ...]  benchmark a proxy/server (latest run)
@@ -31,11 +31,13 @@ from pdtopo.bench.cli import main as bench_main
 from pdtopo.config.compose import compose_config, conf_dir
 from pdtopo.config.run_files import resolve_run_dir
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher import diff, display, operate, rolling, scale, top
-from pdtopo.launcher.hosts import resolve_host_run
 from pdtopo.launcher.hydra_app import run_app
-from pdtopo.launcher.k8s_job import FORMATS, render_k8s_job
-from pdtopo.launcher.launch import LaunchOptions, host_cpus, launch_job, render_job
+from pdtopo.launcher.operate import display, rolling, scale, stop_status, top
+from pdtopo.launcher.operate.hosts import host_cpus, resolve_host_run
+from pdtopo.launcher.operate.k8s_job import FORMATS, render_k8s_job
+from pdtopo.launcher.operate.launch import LaunchOptions, launch_job
+from pdtopo.launcher.operate.prepare import render_job
+from pdtopo.launcher.render import diff
 from pdtopo.tune.cli import main as tune_main
 
 USAGE = __doc__.split("\n\n", 1)[1]
@@ -95,9 +97,9 @@ def _run_dir_verb(verb: str, argv: list[str]) -> int:
         print(f"pdtopo {verb}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if verb == "status":
-        return operate.status(run)
+        return stop_status.status(run)
     if verb == "stop":
-        return operate.stop(run)
+        return stop_status.stop(run)
     if verb == "top":
         if args.interval <= 0:
             parser.error(f"--interval must be > 0, got {args.interval:g}")
@@ -105,7 +107,7 @@ def _run_dir_verb(verb: str, argv: list[str]) -> int:
     if verb in ("drain", "restart"):
         return rolling.run(verb, run, args.target, undo=getattr(args, "undo", False),
                            force=args.force)
-    return operate.logs(run, args.program, args.follow)
+    return stop_status.logs(run, args.program, args.follow)
 
 
 def _scale(argv: list[str]) -> int:

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import pytest
 
-from pdtopo.launcher.nodelay_exec import COMPILERS, compiler_on_path
+from pdtopo.launcher.programs.nodelay_exec import COMPILERS, compiler_on_path
 
 CI_ENV = "CI"
 COMPILER_HINT = "apt-get install -y gcc libc6-dev (.ci/run installs it)"
@@ -48,7 +48,7 @@ def require_tool(name: str, hint: str, environ: Mapping[str, str] = os.environ) 
 
 
 def require_compiler(environ: Mapping[str, str] = os.environ) -> str:
-    """The C compiler pdtopo.launcher.nodelay_exec builds with; missing: `missing()`."""
+    """The C compiler pdtopo.launcher.programs.nodelay_exec builds with; missing: `missing()`."""
     path = compiler_on_path()
     if path is None:
         missing(f"no C compiler on PATH ({', '.join(COMPILERS)})", COMPILER_HINT, environ)

@@ -20,13 +20,13 @@ import httpx
 
 from pdtopo.bench.deployments import (
     DetachedDeployment,
-    free_port_block,
     log_tails,
     port_overrides,
     run_cli,
     wait_healthy,
 )
-from pdtopo.launcher.supervisor_control import pid_alive
+from pdtopo.launcher.operate.supervisor_control import pid_alive
+from pdtopo.ports import free_port_block
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

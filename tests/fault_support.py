@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from pdtopo.launcher.supervisor_control import Supervisor, pid_alive
+from pdtopo.launcher.operate.supervisor_control import Supervisor, pid_alive
 from tests.e2e_support import Deployment, deployment_overrides, port_block
 
 KV_TIMEOUT_S = 5

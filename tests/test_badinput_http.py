@@ -16,11 +16,11 @@ import json
 import httpx
 import pytest
 from api_server import direct_server
-from conftest import free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from pdtopo.ports import free_port
 from pdtopo.runtime.bootstrap.protocol import Heartbeat, Registration
 from tests.e2e_support import wait_pools_baseline
 from tests.test_bootstrap import TOKEN, _start, _stop

@@ -13,11 +13,15 @@ from omegaconf import OmegaConf
 
 from pdtopo.cli import main
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.nodelay_exec import inner_command
-from pdtopo.launcher.plan import API_KEY_ENV, expand_plan
-from pdtopo.launcher.render_supervisord import render_supervisord
-from pdtopo.launcher.router_entry import API_KEY_FILE_ENV, read_api_key, split_router_module
-from pdtopo.launcher.run_dir import resolved_config
+from pdtopo.launcher.plan.expand import API_KEY_ENV, expand_plan
+from pdtopo.launcher.programs.nodelay_exec import inner_command
+from pdtopo.launcher.programs.router_entry import (
+    API_KEY_FILE_ENV,
+    read_api_key,
+    split_router_module,
+)
+from pdtopo.launcher.render.run_dir import resolved_config
+from pdtopo.launcher.render.supervisord import render_supervisord
 from pdtopo.runtime.settings import direct_process_context, load_process_context
 
 
@@ -160,7 +164,7 @@ def test_api_key_travels_in_the_environment_only(tmp_path):
     cfg = compose_config(["proxy.api_key=s3cr3t-key"])
     plan = expand_plan(cfg, run_dir=str(tmp_path), python="/py")
     proxy = plan.by_name()["proxy"]
-    assert inner_command(proxy.command)[2] == "pdtopo.launcher.router_entry"
+    assert inner_command(proxy.command)[2] == "pdtopo.launcher.programs.router_entry"
     assert "s3cr3t-key" not in json.dumps(plan.to_dict())
     assert "s3cr3t-key" not in resolved_config(cfg)
     text = render_supervisord(plan, run_dir=tmp_path, token="tok", workdir=tmp_path)

@@ -17,7 +17,8 @@ from pdtopo.bench.loadgen import run_load
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.stats import summarize
 from pdtopo.bench.workload import BenchRequest
-from tests.conftest import free_port, serve_in_thread
+from pdtopo.ports import free_port
+from tests.conftest import serve_in_thread
 
 TTFT_S, ITL_S, TOKENS = 0.10, 0.02, 10
 
@@ -60,7 +61,7 @@ def fake_url():
 
 def _settings(**kw) -> BenchSettings:
     base = {"progress": False, "warmup_requests": 0, "seed": 3}
-    return BenchSettings.from_config({**base, **kw})
+    return BenchSettings.with_defaults({**base, **kw})
 
 
 def test_percentiles_and_throughput_match_script(fake_url):
@@ -96,7 +97,7 @@ def test_slo_and_error_kinds(fake_url):
     assert st["errors"] == {"http_503": 2}
     assert "overloaded" in st["error_examples"]["http_503"]
     assert st["goodput"]["requests"] == 0  # every TTFT (~100 ms) misses a 50 ms SLO
-    loose = summarize(results, duration, BenchSettings.from_config(
+    loose = summarize(results, duration, BenchSettings.with_defaults(
         {"slo": {"ttft_ms": 500, "itl_ms": 100}}).slo)
     assert loose["goodput"]["requests"] == 4
     assert loose["goodput"]["fraction"] == pytest.approx(4 / 6)

@@ -7,11 +7,12 @@ import math
 import pytest
 
 from pdtopo.bench.loadgen import RequestResult, arrival_offsets
-from pdtopo.bench.settings import BenchConfigError, BenchSettings
+from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.stats import percentile, request_itls
 from pdtopo.bench.workload import build_workload, load_jsonl, multiturn, synthetic
 from pdtopo.cli import main
 from pdtopo.config.compose import compose_config
+from pdtopo.config.schema import TopologyError
 
 
 def test_default_config_section_is_valid():
@@ -35,44 +36,45 @@ def test_default_config_section_is_valid():
     ({"multiturn": {"rounds": 3}}, "bench.multiturn"),
 ])
 def test_bad_settings_name_the_key(bad, key):
-    with pytest.raises(BenchConfigError, match=key.replace(".", r"\.")):
-        BenchSettings.from_config(bad)
+    with pytest.raises(TopologyError, match=key.replace(".", r"\.")):
+        BenchSettings.with_defaults(bad)
 
 
 def test_synthetic_is_seeded_and_within_ranges():
-    s = BenchSettings.from_config({"num_requests": 50, "input_len": 100, "input_len_range": 0.2,
-                                   "output_len": 10, "output_len_range": 0.5, "seed": 4})
+    s = BenchSettings.with_defaults({"num_requests": 50, "input_len": 100,
+                                     "input_len_range": 0.2, "output_len": 10,
+                                     "output_len_range": 0.5, "seed": 4})
     a, b = build_workload(s), build_workload(s)
     assert [r.input_ids for r in a] == [r.input_ids for r in b]
     assert all(80 <= r.input_len <= 120 and 5 <= r.output_len <= 15 for r in a)
     assert all(32 <= t < 127 for r in a for t in r.input_ids)
     assert len({r.input_len for r in a}) > 5
-    other = synthetic(BenchSettings.from_config({"seed": 5, "num_requests": 50}))
+    other = synthetic(BenchSettings.with_defaults({"seed": 5, "num_requests": 50}))
     assert [r.input_ids for r in other] != [r.input_ids for r in a]
 
 
 def test_jsonl_dataset(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "hello", "output_len": 3}\n\n{"input_ids": [1, 2]}\n')
-    s = BenchSettings.from_config({"dataset": str(path), "num_requests": 5, "output_len": 7})
+    s = BenchSettings.with_defaults({"dataset": str(path), "num_requests": 5, "output_len": 7})
     reqs = build_workload(s)
     assert [r.output_len for r in reqs] == [3, 7, 3, 7, 3]
     assert reqs[0].body(s)["text"] == "hello" and reqs[1].body(s)["input_ids"] == [1, 2]
     path.write_text('{"prompt": "x"}\n{"output_len": 2}\n')
-    with pytest.raises(BenchConfigError, match="d.jsonl:2"):
+    with pytest.raises(TopologyError, match="d.jsonl:2"):
         load_jsonl(path, s)
-    with pytest.raises(BenchConfigError, match="no such file"):
+    with pytest.raises(TopologyError, match="no such file"):
         load_jsonl(tmp_path / "missing.jsonl", s)
 
 
 def test_arrivals():
-    s = BenchSettings.from_config({"request_rate": 10, "arrival": "fixed"})
+    s = BenchSettings.with_defaults({"request_rate": 10, "arrival": "fixed"})
     assert arrival_offsets(3, s) == pytest.approx([0.0, 0.1, 0.2])
-    p = BenchSettings.from_config({"request_rate": 10, "arrival": "poisson", "seed": 1})
+    p = BenchSettings.with_defaults({"request_rate": 10, "arrival": "poisson", "seed": 1})
     offs = arrival_offsets(4000, p)
     assert offs == arrival_offsets(4000, p) and offs == sorted(offs)
     assert offs[-1] / len(offs) == pytest.approx(0.1, rel=0.05)  # mean gap 1/rate
-    assert arrival_offsets(3, BenchSettings()) == [0.0, 0.0, 0.0]
+    assert arrival_offsets(3, BenchSettings.with_defaults()) == [0.0, 0.0, 0.0]
 
 
 def test_itl_splits_multi_token_chunks():
@@ -100,10 +102,10 @@ def test_summary_per_tag():
 
 
 def test_multiturn_conversations_share_system_prompts_and_grow_turn_by_turn():
-    s = BenchSettings.from_config({"workload": "multiturn", "output_len": 5, "seed": 2,
-                                   "multiturn": {"system_prompts": 2, "system_len": 40,
-                                                 "conversations": 5, "turns": 3,
-                                                 "user_len": 7}})
+    s = BenchSettings.with_defaults({"workload": "multiturn", "output_len": 5, "seed": 2,
+                                     "multiturn": {"system_prompts": 2, "system_len": 40,
+                                                   "conversations": 5, "turns": 3,
+                                                   "user_len": 7}})
     assert s.num_workload_requests == 15
     convs = multiturn(s)
     assert convs == multiturn(s)  # seeded

@@ -20,10 +20,11 @@ from pdtopo.body_limit import BodyLimitMiddleware
 from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
 from pdtopo.config.settings import runtime_settings
-from pdtopo.launcher.nodelay_exec import inner_command
-from pdtopo.launcher.plan import expand_plan
+from pdtopo.launcher.plan.expand import expand_plan
+from pdtopo.launcher.programs.nodelay_exec import inner_command
+from pdtopo.ports import free_port
 from pdtopo.runtime.api.http_probe import HttpProtocol
-from tests.conftest import REPO_ROOT, free_port, serve_in_thread
+from tests.conftest import REPO_ROOT, serve_in_thread
 from tests.e2e_support import post_oversize, wait_healthy
 
 LIMIT = 1024 * 1024
@@ -51,7 +52,7 @@ def test_every_proxy_kind_gets_the_servers_limit(kind):
     assert command[command.index("--max-payload-size") + 1] == "4096"
     assert _router_args(kind, command).max_payload_size == 4096  # bytes, as the proxy reads it
     if kind == "mini_lb":  # MiniLB enforces no limit itself: pdtopo's entry adds it
-        assert inner_command(command)[1:3] == ["-m", "pdtopo.launcher.mini_lb_entry"]
+        assert inner_command(command)[1:3] == ["-m", "pdtopo.launcher.programs.mini_lb_entry"]
     with pytest.raises(TopologyError) as err:
         expand_plan(compose_config(["proxy=rust", 'proxy.extra_args=["--max-payload-size=9"]']))
     assert err.value.key == "proxy.extra_args.0"
@@ -127,7 +128,7 @@ def test_mini_lb_entry_answers_413_itself(tmp_path):
     port = free_port()
     log = open(tmp_path / "mini_lb.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdtopo.launcher.mini_lb_entry", "--pd-disaggregation",
+        [sys.executable, "-m", "pdtopo.launcher.programs.mini_lb_entry", "--pd-disaggregation",
          "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--host",
          "127.0.0.1", "--port", str(port), "--mini-lb", "--policy", "random",
          "--max-payload-size", str(LIMIT)],

@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 
+from pdtopo.ports import free_port
 from pdtopo.runtime.bootstrap.client import BootstrapClient, BootstrapError, RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
 from pdtopo.runtime.bootstrap.registry import InstanceRegistry
-from tests.conftest import free_port
 
 TOKEN = "test-token-123"
 

@@ -8,7 +8,7 @@ from conftest import REPO_ROOT
 
 from pdtopo.cli import main
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.diff import diff_configs, to_markdown
+from pdtopo.launcher.render.diff import diff_configs, to_markdown
 
 
 def test_v6e8_vs_2p2d_semantic_diff():
@@ -60,7 +60,7 @@ def test_diff_against_git_revision(capsys):
 
 def test_diff_rev_sees_old_conf(tmp_path, capsys):
     """A revision whose conf/ differs: the change shows up as config + process changes."""
-    from pdtopo.launcher.diff import conf_at_rev
+    from pdtopo.launcher.render.diff import conf_at_rev
 
     first = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-list", "--max-parents=0", "HEAD"],
                            capture_output=True, text=True, check=True).stdout.split()[0]

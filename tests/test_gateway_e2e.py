@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from pdtopo.launcher.supervisor_control import Supervisor
+from pdtopo.launcher.operate.supervisor_control import Supervisor
 from tests.e2e_support import (
     Deployment,
     assert_refused_at_once,

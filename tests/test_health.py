@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.health import router_workers_ready, wait_for_programs
-from pdtopo.launcher.plan import expand_plan
+from pdtopo.launcher.operate.health import router_workers_ready, wait_for_programs
+from pdtopo.launcher.plan.expand import expand_plan
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
 from pdtopo.config.settings import runtime_settings
+from pdtopo.ports import free_port
 from pdtopo.runtime.api.drain_routes import in_flight
 from pdtopo.runtime.disagg import messages as m
 from pdtopo.runtime.disagg.side_channel import SideChannel
@@ -27,7 +28,6 @@ from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_ri
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import make_scheduler
 from pdtopo.runtime.settings import direct_process_context
-from tests.conftest import free_port
 
 BUDGET = 6  # pages of 8 tokens: two 17-token prompts (3 pages each)
 OVERRIDES = ["model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",

@@ -25,9 +25,9 @@ from pdtopo.config.credentials import (
     read_api_key,
 )
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher.nodelay_exec import inner_command
-from pdtopo.launcher.plan import expand_plan
-from pdtopo.launcher.run_dir import new_token, write_run_dir
+from pdtopo.launcher.plan.expand import expand_plan
+from pdtopo.launcher.programs.nodelay_exec import inner_command
+from pdtopo.launcher.render.run_dir import new_token, write_run_dir
 from pdtopo.runtime.distributed.health import HealthServer
 from pdtopo.runtime.http_auth import HttpAuthMiddleware, HttpGuard
 
@@ -179,7 +179,7 @@ def test_beyond_loopback_p_d_and_router_share_the_derived_key():
     for name in ("prefill_0", "decode_0", "proxy"):
         assert plan[name].env[API_KEY_DERIVED_ENV] == "1", name
         assert API_KEY_ENV not in plan[name].secret_env
-    assert inner_command(plan["proxy"].command)[2] == "pdtopo.launcher.router_entry"
+    assert inner_command(plan["proxy"].command)[2] == "pdtopo.launcher.programs.router_entry"
     assert API_KEY_DERIVED_ENV not in plan["bootstrap"].env
 
 
@@ -243,7 +243,7 @@ def test_dp_workers_beyond_loopback_need_the_key_and_colocated_true_derives_one(
 def test_a_k8s_render_guards_servers_whose_topology_says_loopback(tmp_path):
     """Pods listen on their DNS names: a one-host topology (127.0.0.1 in its file) rendered
     for k8s gets the credential too, or the router's requests would be refused."""
-    from pdtopo.launcher.k8s_job import k8s_objects
+    from pdtopo.launcher.operate.k8s_job import k8s_objects
 
     cfg = compose_config(["topology=1p1d_v6e8", "server.bind_host=null"])
     token = new_token()
@@ -260,8 +260,8 @@ def test_a_k8s_render_guards_servers_whose_topology_says_loopback(tmp_path):
 def test_scale_gives_every_guarded_program_the_running_key(tmp_path):
     """config.yaml holds proxy.api_key redacted; the real key comes from supervisord.conf."""
     from pdtopo.cli import main
-    from pdtopo.launcher.rolling import Deployment
-    from pdtopo.launcher.scale import plan_scale
+    from pdtopo.launcher.operate.deployment import Deployment
+    from pdtopo.launcher.operate.scale import plan_scale
 
     run = tmp_path / "run"
     assert main(["render", "topology=2p2d_cpu", "topology.accelerator=cpu-6",

@@ -1,8 +1,11 @@
 """The package's import graph, read statically (every module parsed, imports inside functions
-included): no cycles; the engine knows nothing of disaggregation, local mode, HTTP or
-multi-process instances; the launcher uses no runtime internals; benchmarks use pdtopo, never
-tests/; and every function-level import is a dependency deferred on purpose, saying so in a
-`# deferred: why` comment on its line or the line above."""
+and under `if TYPE_CHECKING:` included: an annotation-only import still ties two modules into a
+loop): no cycles between modules, nor between the top-level rooms; the engine knows nothing of
+disaggregation, local mode, HTTP or multi-process instances; the launcher uses no runtime
+internals and the benchmark package nothing of the launcher; the launcher's sub-packages import
+one way (plan <- render <- operate <- programs) and only the CLI imports the launch job;
+benchmarks use pdtopo, never tests/; and every function-level import is a dependency deferred on
+purpose, saying so in a `# deferred: why` comment on its line or the line above."""
 
 from __future__ import annotations
 
@@ -34,11 +37,13 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
-def _imports(path: Path) -> list[tuple[str, int, bool]]:
-    """(imported dotted name, line, inside a function?) of every import in `path`."""
+def _imports(path: Path, package: str | None = None) -> list[tuple[str, int, bool]]:
+    """(imported dotted name, line, inside a function?) of every import in `path` (a module
+    of `package`, by default the one its place in the tree says)."""
     tree = ast.parse(path.read_text(), str(path))
-    package = _module_name(path) if path.name == "__init__.py" else \
-        _module_name(path).rpartition(".")[0]
+    if package is None:
+        package = _module_name(path) if path.name == "__init__.py" else \
+            _module_name(path).rpartition(".")[0]
     found: list[tuple[str, int, bool]] = []
 
     def visit(node: ast.AST, nested: bool) -> None:
@@ -53,15 +58,11 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
                     base = ".".join([*up, base] if base else up)
                 found.extend((f"{base}.{a.name}" if base else a.name, child.lineno, nested)
                              for a in child.names)
-            elif not isinstance(child, ast.If) or not _is_type_checking(child):
+            else:
                 visit(child, inner)
 
     visit(tree, False)
     return found
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
 GRAPH = {
@@ -124,7 +125,12 @@ def test_no_import_cycles():
                                "pdtopo.launcher", "pdtopo.bench")),
     ("pdtopo.launcher", ("pdtopo.runtime",)),
     ("pdtopo.config", ("pdtopo.runtime", "pdtopo.launcher", "pdtopo.bench")),
-    ("pdtopo.bench", ("pdtopo.runtime",)),
+    ("pdtopo.bench", ("pdtopo.runtime", "pdtopo.launcher", "pdtopo.tune")),
+    # the launcher's sub-packages, one way: plan <- render <- operate <- programs
+    ("pdtopo.launcher.plan", ("pdtopo.launcher.render", "pdtopo.launcher.operate",
+                              "pdtopo.launcher.programs")),
+    ("pdtopo.launcher.render", ("pdtopo.launcher.operate", "pdtopo.launcher.programs")),
+    ("pdtopo.launcher.operate", ("pdtopo.launcher.programs",)),
 ])
 def test_rooms_import_only_what_they_may(room, forbidden):
     bad = [(mod, target) for mod, targets in GRAPH.items()
@@ -132,6 +138,44 @@ def test_rooms_import_only_what_they_may(room, forbidden):
            for target in targets if any(target == f or target.startswith(f + ".")
                                         for f in forbidden)]
     assert bad == []
+
+
+def _room(module: str) -> str:
+    """The top-level room of a module: `pdtopo.X` for a module of the package pdtopo/X/."""
+    parts = module.split(".")
+    room = ".".join(parts[:2])
+    return room if any(m.startswith(room + ".") for m in MODULES) else module
+
+
+def test_no_cycles_between_rooms():
+    """Rooms (config, launcher, bench, tune, runtime, ...) import one way: a module-level
+    acyclic graph can still loop between packages (a -> b.x, b.y -> a.z)."""
+    rooms: dict[str, set[str]] = {}
+    for mod, targets in GRAPH.items():
+        src = _room(mod)
+        rooms.setdefault(src, set()).update(
+            _room(t) for t in targets if _room(t) != src and t != "pdtopo")
+    assert _cycles({r: sorted(ts) for r, ts in rooms.items()}) == []
+
+
+def test_only_the_cli_imports_the_launch_job():
+    users = sorted(m for m, ts in GRAPH.items() if "pdtopo.launcher.operate.launch" in ts)
+    assert users == ["pdtopo.cli"]
+
+
+def test_launcher_top_level_keeps_at_most_three_modules():
+    top = sorted(p.name for p in (PACKAGE / "launcher").glob("*.py"))
+    assert len(top) <= 3, top
+    assert sorted(p.name for p in (PACKAGE / "launcher").iterdir() if p.is_dir()
+                  and p.name != "__pycache__") == ["operate", "plan", "programs", "render"]
+
+
+def test_type_checking_imports_are_edges(tmp_path):
+    """An import only type checkers run still makes the loop: it is read like any other."""
+    src = tmp_path / "mod.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from pdtopo.tune.outcome import Outcome\n")
+    assert ("pdtopo.tune.outcome.Outcome", 3, False) in _imports(src, "pdtopo.tune")
 
 
 def test_function_level_imports_are_deferred_dependencies_only():
@@ -168,3 +212,5 @@ def test_the_graph_sees_known_edges():
     """The reader is not blind: edges that must exist are found."""
     assert "pdtopo.runtime.engine.scheduler" in GRAPH["pdtopo.runtime.scheduler_factory"]
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert _room("pdtopo.launcher.plan.expand") == "pdtopo.launcher"
+    assert _room("pdtopo.cli") == "pdtopo.cli"

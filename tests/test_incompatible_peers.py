@@ -35,7 +35,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.run_dir import resolved_config
+from pdtopo.launcher.render.run_dir import resolved_config
 from pdtopo.runtime.settings import TOKEN_ENV
 from tests.e2e_support import (
     REPO_ROOT,

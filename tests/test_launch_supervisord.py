@@ -17,10 +17,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT
 
-from pdtopo.launcher.nodelay_exec import compiler_on_path
-from pdtopo.launcher.supervisor_control import Supervisor, descendants, pid_alive
+from pdtopo.launcher.operate.supervisor_control import Supervisor, descendants, pid_alive
+from pdtopo.launcher.programs.nodelay_exec import compiler_on_path
+from pdtopo.ports import free_port
 
 FAKE_SERVER = textwrap.dedent('''
     """Launcher-test stand-in for the engine: serves /health on its plan port."""
@@ -75,7 +76,7 @@ def assert_all_gone(run: Path, pids: list[int]) -> None:
 
 def force_cleanup(run: Path) -> None:
     if (run / "supervisord.conf").exists() and Supervisor(run).is_up():
-        from pdtopo.launcher.supervisor_control import teardown
+        from pdtopo.launcher.operate.supervisor_control import teardown
         teardown(run)
 
 

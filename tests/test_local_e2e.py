@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from pdtopo.launcher.supervisor_control import Supervisor
+from pdtopo.launcher.operate.supervisor_control import Supervisor
 from pdtopo.runtime.worker_threads import CRASH_EXIT_CODE
 from tests.e2e_support import (
     Deployment,

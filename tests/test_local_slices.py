@@ -8,7 +8,7 @@ from pdtopo.config.compose import compose_config
 from pdtopo.config.local_slices import local_layout, parse_slice, parse_slices
 from pdtopo.config.schema import TopologyError
 from pdtopo.config.settings import group_settings
-from pdtopo.launcher.plan import expand_plan
+from pdtopo.launcher.plan.expand import expand_plan
 from pdtopo.runtime.local.engine import worker_names
 
 

@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.monitoring import render_dashboard, render_prometheus, scrape_targets
-from pdtopo.launcher.plan import expand_plan
-from pdtopo.launcher.top import parse, quantile, rows
+from pdtopo.launcher.operate.top import parse, quantile, rows
+from pdtopo.launcher.plan.expand import expand_plan
+from pdtopo.launcher.render.monitoring import render_dashboard, render_prometheus, scrape_targets
 
 
 def _plan(*overrides):

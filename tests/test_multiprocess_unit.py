@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import zmq
 
+from pdtopo.ports import free_port
 from pdtopo.runtime.disagg.base import KVTransferError
 from pdtopo.runtime.disagg.curve import deployment_keys
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 from pdtopo.runtime.distributed.cluster import ClusterConfigError, ClusterSpec
 from pdtopo.runtime.distributed.control import ControlClient, ControlServer, lockstep_curve
 from pdtopo.runtime.distributed.leader import LeaderMirror, LeaderRunner, _PullGroup
-from tests.conftest import free_port
 from tests.test_transfer_engine import done, drive, make_mgr, pool
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher import nodelay_exec
-from pdtopo.launcher.plan import NODELAY_MODULE, expand_plan
+from pdtopo.launcher.plan.expand import NODELAY_MODULE, expand_plan
+from pdtopo.launcher.programs import nodelay_exec
 from tests.ci_support import require_compiler
 
 # listens on TCP and on a Unix socket, accepts one connection on each, then prints what the

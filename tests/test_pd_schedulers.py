@@ -11,6 +11,7 @@ import time
 import pytest
 
 from pdtopo.config.compose import compose_config
+from pdtopo.ports import free_port
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
@@ -18,7 +19,6 @@ from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import DecodeScheduler, PrefillScheduler, make_scheduler
 from pdtopo.runtime.settings import direct_process_context
-from tests.conftest import free_port
 from tests.e2e_support import baseline_problems
 
 pytestmark = pytest.mark.slow  # real model runners behind real schedulers

@@ -12,13 +12,13 @@ import jax
 import pytest
 
 from pdtopo.config.compose import compose_config
+from pdtopo.ports import free_port
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner, warmup_kinds
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import make_scheduler
 from pdtopo.runtime.settings import direct_process_context
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow  # real model runners behind real schedulers
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.plan import Plan, expand_plan
-from pdtopo.launcher.tpu_env import share_cores
-from pdtopo.launcher.validate import TopologyError
+from pdtopo.launcher.plan.expand import Plan, expand_plan
+from pdtopo.launcher.plan.tpu_env import share_cores
+from pdtopo.launcher.plan.validate import TopologyError
 
 
 def plan_for(*overrides: str, cpus=None) -> Plan:
@@ -121,8 +121,8 @@ def test_proxy_command_rust_and_mini_lb():
     cmd = plan.by_name()["proxy"].command
     # with a key: the same router through pdtopo's entry, the key in the environment only; the
     # accept wrapper in front (proxy.client_nodelay: auto)
-    assert cmd[:8] == ["/venv/bin/python", "-m", "pdtopo.launcher.nodelay_exec", "--",
-                       "/venv/bin/python", "-m", "pdtopo.launcher.router_entry",
+    assert cmd[:8] == ["/venv/bin/python", "-m", "pdtopo.launcher.programs.nodelay_exec", "--",
+                       "/venv/bin/python", "-m", "pdtopo.launcher.programs.router_entry",
                        "--pd-disaggregation"]
     assert "sekret" not in cmd and "sekret" not in plan.to_json()
     assert plan.by_name()["proxy"].secret_env == {"PDTOPO_PROXY_API_KEY": "sekret"}
@@ -158,7 +158,7 @@ def test_proxy_command_gateway():
     assert proxy.ports == {"http": 8000, "prometheus": 29100}
     keyed = plan_for("topology=2p2d_cpu", "proxy=gateway", "proxy.api_key=sekret",
                      "proxy.policy=prefix_hash").by_name()["proxy"]
-    assert keyed.command[2:6] == ["pdtopo.launcher.router_entry", "--router-module",
+    assert keyed.command[2:6] == ["pdtopo.launcher.programs.router_entry", "--router-module",
                                   "smg.launch_router", "--pd-disaggregation"]
     assert "sekret" not in keyed.command and "--prefill-policy prefix_hash" in \
         " ".join(keyed.command)

@@ -7,7 +7,7 @@ import pytest
 
 from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher.plan import Plan, expand_plan
+from pdtopo.launcher.plan.expand import Plan, expand_plan
 
 
 def plan_for(*overrides: str, cpus=None) -> Plan:

@@ -71,7 +71,7 @@ def test_flush_cache_empties_the_tree_and_says_so(url):
 
 def test_bench_multiturn_reports_ttft_per_turn_and_cached_ratio(url):
     httpx.post(f"{url}/flush_cache", timeout=10).raise_for_status()
-    settings = BenchSettings.from_config({
+    settings = BenchSettings.with_defaults({
         "workload": "multiturn", "output_len": 6, "warmup_requests": 0, "progress": False,
         "max_concurrency": 4, "token_id_range": [32, 127],
         "multiturn": {"system_prompts": 2, "system_len": 64, "conversations": 4, "turns": 3,

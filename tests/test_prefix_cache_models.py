@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pdtopo.config.compose import compose_config
+from pdtopo.ports import free_port
 from pdtopo.runtime.disagg import messages as m
 from pdtopo.runtime.disagg.side_channel import SideChannel
 from pdtopo.runtime.engine.mesh import build_mesh
@@ -22,7 +23,6 @@ from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_ri
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import make_scheduler
 from pdtopo.runtime.settings import direct_process_context
-from tests.conftest import free_port
 from tests.e2e_support import baseline_problems
 from tests.hf_checkpoints import CASES, build, hf_greedy
 

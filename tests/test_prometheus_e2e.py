@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from pdtopo.bench.stats import BREAKDOWN
+from pdtopo.ports import free_port
 from pdtopo.runtime.disagg.pd_timeline import D_STAGES
 from tests.ci_support import require_tool
-from tests.conftest import free_port
 from tests.e2e_support import (
     Deployment,
     deployment_overrides,

@@ -7,8 +7,8 @@ import configparser
 import pytest
 
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.plan import expand_plan
-from pdtopo.launcher.render_supervisord import (
+from pdtopo.launcher.plan.expand import expand_plan
+from pdtopo.launcher.render.supervisord import (
     MAX_SOCKET_PATH,
     ProgramSettings,
     render_supervisord,
@@ -61,9 +61,9 @@ def test_environment_parses_back_with_supervisor():
 def test_cpu_affinity_wraps_command_with_pin():
     _, _, conf = rendered("/runs/r1", cpus=[2, 3])
     assert conf.get("program:prefill_0", "command").startswith(
-        "/py -m pdtopo.launcher.pin 2 -- /py -m pdtopo.runtime.server")
-    assert conf.get("program:decode_0", "command").startswith("/py -m pdtopo.launcher.pin 3 --")
-    assert "pdtopo.launcher.pin" not in conf.get("program:proxy", "command")
+        "/py -m pdtopo.launcher.programs.pin 2 -- /py -m pdtopo.runtime.server")
+    assert conf.get("program:decode_0", "command").startswith("/py -m pdtopo.launcher.programs.pin 3 --")
+    assert "pdtopo.launcher.programs.pin" not in conf.get("program:proxy", "command")
 
 
 def test_long_run_dir_falls_back_to_short_socket():
@@ -94,13 +94,13 @@ def test_percent_survives_supervisord_parsing(tmp_path):
 
 
 def test_router_watch_event_listener_section():
-    from pdtopo.launcher.launch import program_settings
+    from pdtopo.launcher.render.supervisord import program_settings
 
     settings = program_settings(compose_config([]))
     assert settings.router_watch  # PD, one host, rust proxy: on by default
     _, _, conf = rendered("/runs/r1", settings=settings)
     sec = "eventlistener:router_watch"
-    assert conf.get(sec, "command") == "/py -m pdtopo.launcher.router_watch /runs/r1"
+    assert conf.get(sec, "command") == "/py -m pdtopo.launcher.programs.router_watch /runs/r1"
     assert conf.get(sec, "events") == "PROCESS_STATE"
     # stdout is supervisord's event protocol: the log is stderr's
     assert conf.get(sec, "stderr_logfile") == "/runs/r1/logs/router_watch.log"

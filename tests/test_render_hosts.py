@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdtopo.cli import main
-from pdtopo.launcher.render_supervisord import socket_path
+from pdtopo.launcher.render.supervisord import socket_path
 from tests.golden_support import neutral_text
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "hosts"
@@ -31,7 +31,7 @@ def _neutral(text: str, run: Path, hdir: Path, *, workdir: str | None = None,
         python if python is not None else sys.executable: "PYTHON",
         (run / "token").read_text().strip(): "TOKEN",
     })
-    return re.sub(r"pdtopo\.launcher\.pin [0-9,]+ --", "pdtopo.launcher.pin CORES --", out)
+    return re.sub(r"pdtopo\.launcher\.programs\.pin [0-9,]+ --", "pdtopo.launcher.programs.pin CORES --", out)
 
 
 # Interpreter layouts relative to the working directory "nc": wherever the venv is, the
@@ -45,7 +45,7 @@ VENVS = {"venv-inside-checkout": "nc/.venv/bin/python",
 def test_neutral_text_whole_paths_longest_first(python):
     run, workdir, py = "/x/run", "/x/nc", f"/x/{python}"
     text = (f"directory={workdir}\n"
-            f"command={py} -m pdtopo.launcher.pin 0,1 -- {py} -m pdtopo.runtime.server "
+            f"command={py} -m pdtopo.launcher.programs.pin 0,1 -- {py} -m pdtopo.runtime.server "
             f"--run-dir {run}/hosts/h --process p\n"
             f'environment=PDTOPO_DEPLOYMENT_TOKEN="tok"\n'
             f"serverurl=unix://{run}/hosts/h/supervisor.sock\n"
@@ -53,7 +53,7 @@ def test_neutral_text_whole_paths_longest_first(python):
     got = neutral_text(text, {f"{run}/hosts/h/supervisor.sock": "SOCKET", run: "RUN",
                               workdir: "WORKDIR", py: "PYTHON", "tok": "TOKEN"})
     assert got == ("directory=WORKDIR\n"
-                   "command=PYTHON -m pdtopo.launcher.pin 0,1 -- PYTHON -m pdtopo.runtime.server "
+                   "command=PYTHON -m pdtopo.launcher.programs.pin 0,1 -- PYTHON -m pdtopo.runtime.server "
                    "--run-dir RUN/hosts/h --process p\n"
                    'environment=PDTOPO_DEPLOYMENT_TOKEN="TOKEN"\n'
                    "serverurl=unix://SOCKET\n"

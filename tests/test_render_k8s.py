@@ -16,8 +16,8 @@ import yaml
 
 from pdtopo.cli import main
 from pdtopo.config.credentials import derived_api_key
-from pdtopo.launcher.k8s_plan import GROUP_VAR, WORKER_VAR, pod_name
-from pdtopo.launcher.render_k8s import config_hash, to_yaml
+from pdtopo.launcher.plan.k8s import GROUP_VAR, WORKER_VAR, pod_name
+from pdtopo.launcher.render.k8s import config_hash, to_yaml
 from pdtopo.runtime.settings import TOKEN_ENV, load_process_context
 from tests.golden_support import neutral_text
 
@@ -259,8 +259,8 @@ def test_secret_token_and_api_key_reach_the_pods(tmp_path):
     assert refs == {TOKEN_ENV: {"name": "pd-token", "key": "token"},
                     "PDTOPO_PROXY_API_KEY": {"name": "pd-token", "key": "proxy-api-key"}}
     assert c["image"] == "registry.example/pd:1"
-    assert c["command"][2:4] == ["pdtopo.launcher.nodelay_exec", "--"]
-    assert c["command"][6] == "pdtopo.launcher.router_entry"
+    assert c["command"][2:4] == ["pdtopo.launcher.programs.nodelay_exec", "--"]
+    assert c["command"][6] == "pdtopo.launcher.programs.router_entry"
     assert "sekrit-key" not in " ".join(c["command"])
 
 
@@ -304,7 +304,7 @@ def test_bootstrap_pod_command_serves_from_the_configmap(tmp_path):
 
     import httpx
 
-    from tests.conftest import free_port
+    from pdtopo.ports import free_port
 
     port = free_port()
     run = _render(tmp_path, "topology=1p1d_v6e8", f"topology.bootstrap.port={port}")

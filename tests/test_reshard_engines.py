@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from pdtopo.config.compose import compose_config
+from pdtopo.ports import free_port
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import make_scheduler
 from pdtopo.runtime.settings import direct_process_context
-from tests.conftest import free_port
 from tests.hf_checkpoints import Case, build, hf_greedy
 from tests.test_prefix_cache_models import (
     ENGINE,

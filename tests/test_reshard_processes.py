@@ -12,8 +12,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import free_port
 from kv_peer import PeerProcess, fill_values
+
+from pdtopo.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The router watch (pdtopo/launcher/router_watch.py) on its own: which supervisord events
+"""The router watch (pdtopo/launcher/programs/router_watch.py) on its own: which supervisord events
 count as a dead P/D, and what the watch does with them, against a fake router registry and
 fake /health endpoints (the end-to-end use is tests/test_failover_load.py)."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher import router_watch
-from pdtopo.launcher.admin_http import OperationError
-from pdtopo.launcher.plan import Process, expand_plan
-from pdtopo.launcher.router_watch import Watch, dead_program, leader_of, parse_payload
+from pdtopo.launcher.operate.admin_http import OperationError
+from pdtopo.launcher.plan.expand import Process, expand_plan
+from pdtopo.launcher.programs import router_watch
+from pdtopo.launcher.programs.router_watch import Watch, dead_program, leader_of, parse_payload
 
 
 def test_dead_program_events():

@@ -4,10 +4,10 @@ proxy's API key (kept out of config.yaml and plan.json), exactly as supervisord 
 from __future__ import annotations
 
 from pdtopo.config.compose import compose_config
+from pdtopo.config.run_conf import program_environment, proxy_api_key, workdir
 from pdtopo.config.schema import typed_proxy
-from pdtopo.launcher.launch import prepare
-from pdtopo.launcher.run_conf import program_environment, proxy_api_key, workdir
-from pdtopo.launcher.run_dir import write_run_dir
+from pdtopo.launcher.operate.prepare import prepare
+from pdtopo.launcher.render.run_dir import write_run_dir
 
 
 def test_api_key_and_workdir_round_trip(tmp_path):

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from omegaconf import OmegaConf
 
-from pdtopo.launcher.plan import expand_plan
-from pdtopo.launcher.supervisor_control import Supervisor
+from pdtopo.launcher.operate.supervisor_control import Supervisor
+from pdtopo.launcher.plan.expand import expand_plan
 from tests.e2e_support import (
     Deployment,
     SteadyLoad,

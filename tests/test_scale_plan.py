@@ -7,13 +7,8 @@ import pytest
 
 from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher.plan import expand_plan
-from pdtopo.launcher.scale_plan import (
-    changed_leaders,
-    parse_counts,
-    scaled_config,
-    scaled_plan,
-)
+from pdtopo.launcher.plan.expand import expand_plan
+from pdtopo.launcher.plan.scale import changed_leaders, parse_counts, scaled_config, scaled_plan
 
 CPUS = [0, 1]
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdtopo.launcher.admin_http import OperationError
-from pdtopo.launcher.scale import RunFiles, Scaler
+from pdtopo.launcher.operate.admin_http import OperationError
+from pdtopo.launcher.operate.scale import RunFiles, Scaler
 
 
 class FakeSupervisor:

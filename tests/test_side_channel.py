@@ -249,7 +249,7 @@ def test_dead_prefill_fails_the_rooms_expected_from_it_at_once():
 def test_rooms_for_a_prefill_that_is_down_fail_at_once():
     """A `want` to a P nobody listens at (never up, or dead since) fails in well under a
     second with a retryable 503, not at the KV timeout; once P is back, rooms work again."""
-    from tests.conftest import free_port
+    from pdtopo.ports import free_port
 
     port = free_port()
     d = SideChannel(name="D")

@@ -16,7 +16,7 @@ import pytest
 
 from pdtopo.bench.sweep import collect, write_summary
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.plan import expand_plan
+from pdtopo.launcher.plan.expand import expand_plan
 from tests.e2e_support import deployment_overrides, port_block, processes_of_run, run_pdtopo
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

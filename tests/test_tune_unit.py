@@ -13,14 +13,14 @@ import yaml
 
 from pdtopo.cli import main
 from pdtopo.config.compose import compose_config
-from pdtopo.config.schema import typed_topology
-from pdtopo.launcher.plan import expand_plan
-from pdtopo.launcher.tpu_env import accelerator_spec
+from pdtopo.config.schema import TopologyError, typed_topology
+from pdtopo.launcher.plan.expand import expand_plan
+from pdtopo.launcher.plan.tpu_env import accelerator_spec
 from pdtopo.tune import report
 from pdtopo.tune.candidates import budget_of, candidate_overrides, check_candidates
-from pdtopo.tune.run import Outcome
+from pdtopo.tune.outcome import Outcome
 from pdtopo.tune.search import find_max_rate
-from pdtopo.tune.settings import TuneConfigError, TuneSettings
+from pdtopo.tune.settings import TuneSettings
 from pdtopo.tune.store import ResultStore, run_key
 
 # ------------------------------------------------------------------ search
@@ -42,8 +42,8 @@ def _curve(threshold: float, noise: float = 0.0, seed: int = 0):
 @pytest.mark.parametrize("threshold", [0.3, 1.0, 2.7, 5.0, 13.0, 40.0])
 @pytest.mark.parametrize("max_runs", [3, 6, 10])
 def test_search_finds_the_threshold_within_one_bisection_step(threshold, max_runs):
-    s = TuneSettings(goodput_target=0.9, start_rate=1.0, growth=2.0, precision=0.05,
-                     max_runs_per_candidate=max_runs)
+    s = TuneSettings.with_defaults({"goodput_target": 0.9, "start_rate": 1.0, "growth": 2.0,
+                                    "precision": 0.05, "max_runs_per_candidate": max_runs})
     measure, calls = _curve(threshold)
     res = find_max_rate(measure, s)
     assert len(calls) == len(res.runs) <= max_runs  # the run budget is never exceeded
@@ -61,7 +61,8 @@ def test_search_finds_the_threshold_within_one_bisection_step(threshold, max_run
 
 
 def test_search_bisects_down_when_the_first_rate_fails():
-    s = TuneSettings(start_rate=8.0, max_runs_per_candidate=6, precision=0.01)
+    s = TuneSettings.with_defaults({"start_rate": 8.0, "max_runs_per_candidate": 6,
+                                    "precision": 0.01})
     measure, calls = _curve(1.5)
     res = find_max_rate(measure, s)
     assert calls[0] == 8.0 and calls[1] == 4.0 and calls[2] == 2.0 and len(calls) == 6
@@ -69,7 +70,7 @@ def test_search_bisects_down_when_the_first_rate_fails():
 
 
 def test_search_reports_nothing_when_no_rate_passes():
-    s = TuneSettings(max_runs_per_candidate=4)
+    s = TuneSettings.with_defaults({"max_runs_per_candidate": 4})
     res = find_max_rate(lambda rate: 0.0, s)
     assert res.best_rate == 0.0 and len(res.runs) == 4 and res.bounded
 
@@ -148,8 +149,8 @@ def test_dry_run_lists_v6e8_candidates_with_tpu_env_and_starts_nothing(tmp_path,
 def test_bad_settings_name_the_key(override, key, capsys):
     assert main(["tune", "tune.dry_run=true", override]) == 2
     assert key in capsys.readouterr().err
-    with pytest.raises(TuneConfigError):
-        TuneSettings.from_config({"start_rate": 0})
+    with pytest.raises(TopologyError, match=r"tune\.start_rate"):
+        TuneSettings.with_defaults({"start_rate": 0})
 
 
 # ------------------------------------------------------------------ resume
@@ -161,7 +162,7 @@ def test_a_killed_tune_resumes_without_repeating_finished_runs(tmp_path):
     cand = checked[2]
     key = run_key(cand.cfg)
     store = ResultStore(tmp_path)
-    s = TuneSettings(max_runs_per_candidate=6, precision=0.01)
+    s = TuneSettings.with_defaults({"max_runs_per_candidate": 6, "precision": 0.01})
     benched: list[float] = []
 
     def measure_from(store: ResultStore, kill_after: int | None):
@@ -196,10 +197,10 @@ def test_a_killed_tune_resumes_without_repeating_finished_runs(tmp_path):
 
 
 def test_ranking_files_and_the_best_topology_file(tmp_path, capsys):
-    from pdtopo.launcher import display
+    from pdtopo.launcher.operate import display
 
     _, checked = _candidates("topology=1p1d_cpu", chips=2)
-    s = TuneSettings(max_runs_per_candidate=4)
+    s = TuneSettings.with_defaults({"max_runs_per_candidate": 4})
     outcomes = []
     for c, limit in zip(checked, (2.0, 4.0, 3.0, 0.1), strict=True):
         out = Outcome(c, key=run_key(c.cfg), launch_s=12.5)
@@ -245,7 +246,7 @@ def _compose_with_dir(tune_dir):
 
 def test_a_candidate_that_fails_to_launch_is_recorded_and_skipped(tmp_path, monkeypatch):
     from pdtopo.bench.settings import BenchSettings
-    from pdtopo.launcher import display
+    from pdtopo.launcher.operate import display
     from pdtopo.tune import run as tune_run
 
     _, checked = _candidates("topology=1p1d_cpu", chips=2)
@@ -257,12 +258,12 @@ def test_a_candidate_that_fails_to_launch_is_recorded_and_skipped(tmp_path, monk
 
     monkeypatch.setattr(tune_run.Deployed, "ensure", failing_ensure)
     store = ResultStore(tmp_path)
-    s = TuneSettings(dir=str(tmp_path))
+    s = TuneSettings.with_defaults({"dir": str(tmp_path)})
     con = display.console()
     for _attempt in range(2):
         out = Outcome(checked[0], key=run_key(checked[0].cfg))
-        tune_run.tune_candidate(out, s, BenchSettings(), store, ["topology=1p1d_cpu"], con,
-                                "[1/4]")
+        tune_run.tune_candidate(out, s, BenchSettings.with_defaults(), store,
+                                ["topology=1p1d_cpu"], con, "[1/4]")
         assert out.error == "pdtopo launch failed (1): prefill_0 exited 2 times"
         assert out.search is None
         assert len(launches) == 1  # the rerun skips it: its launch.json has the error

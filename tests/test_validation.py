@@ -7,9 +7,9 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
 from pdtopo.cli import main
+from pdtopo.ports import free_port
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from scheduler_fakes import FakeRunner, FakeTokenizer, make_ctx
 
 from pdtopo.config.compose import compose_config
+from pdtopo.ports import free_port
 from pdtopo.runtime.bootstrap.client import RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
 from pdtopo.runtime.disagg import messages as m
@@ -34,7 +35,6 @@ from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
 from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.settings import direct_process_context
 from pdtopo.runtime.worker_threads import CRASH_EXIT_CODE, FaultInjector, InjectedCrash
-from tests.conftest import free_port
 from tests.e2e_support import ColocatedServer
 
 EXIT_WITHIN_S = 5.0
@@ -250,8 +250,8 @@ def test_router_stops_routing_to_an_instance_whose_scheduler_thread_died(tmp_pat
     on the survivor, and supervisord's replacement rejoins the router."""
     from fault_support import program_pid, wait_restarted, wait_until
 
-    from pdtopo.launcher.router_admin import RouterAdmin
-    from pdtopo.launcher.supervisor_control import pid_alive
+    from pdtopo.launcher.operate.router_admin import RouterAdmin
+    from pdtopo.launcher.operate.supervisor_control import pid_alive
     from tests.e2e_support import Deployment, deployment_overrides, port_block
 
     dep = Deployment(tmp_path / "run", [*DP_OVERRIDES, *deployment_overrides(port_block(40))])

@@ -4,7 +4,7 @@ Composes the config with the given Hydra overrides (e.g. `bench.request_rate=4`)
 URL (default: the latest run's proxy, or its server for a colocated run), prints the one-screen
 table and writes the metrics JSON to `--output` (or `bench.output`). Exit 0 when every request
 succeeded, 1 when some failed, 2 on bad input. A proxy with an API key gets it as
-`Authorization: Bearer`: the benched run's key (pdtopo.launcher.run_conf), or `--api-key-file`.
+`Authorization: Bearer`: the benched run's key (pdtopo.config.run_conf), or `--api-key-file`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from rich.console import Console
 
 from pdtopo.bench.report import metrics_table, write_json
 from pdtopo.bench.run import default_url, run_bench
-from pdtopo.bench.settings import BenchConfigError, BenchSettings
+from pdtopo.bench.settings import BenchSettings
 from pdtopo.config.compose import compose_config
+from pdtopo.config.run_conf import proxy_api_key
 from pdtopo.config.run_files import CONFIG_FILE, resolve_run_dir
 from pdtopo.config.schema import ProxySchema, typed_proxy
-from pdtopo.launcher.run_conf import proxy_api_key
 
 
 def main(argv: list[str]) -> int:
@@ -48,8 +48,7 @@ def main(argv: list[str]) -> int:
         run_dir = None if urls else resolve_run_dir(args.run_dir)
         url = urls[0] if urls else default_url(run_dir)
         api_key = bench_api_key(args.api_key_file, run_dir)
-    except (BenchConfigError, FileNotFoundError, ValueError, HydraException,
-            OmegaConfBaseException) as exc:
+    except (FileNotFoundError, ValueError, HydraException, OmegaConfBaseException) as exc:
         err.print(f"[bold red]pdtopo bench:[/] {exc}", soft_wrap=True)
         return 2
     con = Console(highlight=False)

@@ -3,18 +3,15 @@
 `DetachedDeployment(run_dir, overrides).launch()` runs `pdtopo launch --detach` in a
 subprocess, reads RUN/plan.json and `stop()` runs `pdtopo stop`; `ColocatedProcess` starts one
 colocated server (`python -m pdtopo.runtime.server --port P overrides...`) in its own session and
-waits for its /health. `free_port_block(n)` and `port_overrides(base)` put a whole deployment
-into a private block of ports below the kernel's ephemeral range, so that runs on one machine do
-not collide.
+waits for its /health. `port_overrides(base)` puts a whole deployment into a private block of
+ports (`pdtopo.ports.free_port_block`), so that runs on one machine do not collide.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,36 +23,6 @@ import httpx
 from pdtopo.config.run_files import PLAN_FILE
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
-
-
-def ephemeral_low() -> int:
-    """Lowest port the kernel hands out to outgoing connections (they could steal ours)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port_block(n: int, lo: int = 10000, hi: int | None = None) -> int:
-    """A base port such that base..base+n-1 are all free on 127.0.0.1 right now, below the
-    kernel's ephemeral range (outgoing connections cannot take them meanwhile)."""
-    hi = hi if hi is not None else ephemeral_low()
-    for _ in range(200):
-        base = random.randrange(lo, hi - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports found")
 
 
 def port_overrides(base: int, *, instances: int = 2) -> list[str]:

@@ -19,7 +19,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdtopo.bench.settings import BenchConfigError, BenchSettings
+from pdtopo.bench.settings import BenchSettings
+from pdtopo.config.schema import TopologyError
 
 
 @dataclass
@@ -93,7 +94,7 @@ def synthetic(settings: BenchSettings, n: int | None = None, *, seed_offset: int
 def load_jsonl(path: str | Path, settings: BenchSettings) -> list[BenchRequest]:
     path = Path(path).expanduser()
     if not path.is_file():
-        raise BenchConfigError("dataset", str(path), "no such file")
+        raise TopologyError("bench.dataset", str(path), "no such file")
     out: list[BenchRequest] = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -102,23 +103,24 @@ def load_jsonl(path: str | Path, settings: BenchSettings) -> list[BenchRequest]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise BenchConfigError("dataset", where, f"invalid JSON: {exc}") from None
+            raise TopologyError("bench.dataset", where, f"invalid JSON: {exc}") from None
         if not isinstance(item, dict):
-            raise BenchConfigError("dataset", where, "each line must be a JSON object")
+            raise TopologyError("bench.dataset", where, "each line must be a JSON object")
         olen = item.get("output_len", settings.output_len)
         if isinstance(olen, bool) or not isinstance(olen, int) or olen < 1:
-            raise BenchConfigError("dataset", where, f"output_len={olen!r}: expected int >= 1")
+            raise TopologyError("bench.dataset", where, f"output_len={olen!r}: expected int >= 1")
         ids, prompt = item.get("input_ids"), item.get("prompt")
         if ids is not None:
             if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
-                raise BenchConfigError("dataset", where, "input_ids must be a non-empty int list")
+                raise TopologyError("bench.dataset", where,
+                                    "input_ids must be a non-empty int list")
             out.append(BenchRequest(olen, input_ids=ids, tag=str(item.get("tag", ""))))
         elif isinstance(prompt, str) and prompt:
             out.append(BenchRequest(olen, prompt=prompt, tag=str(item.get("tag", ""))))
         else:
-            raise BenchConfigError("dataset", where, "needs a non-empty 'prompt' or 'input_ids'")
+            raise TopologyError("bench.dataset", where, "needs a non-empty 'prompt' or 'input_ids'")
     if not out:
-        raise BenchConfigError("dataset", str(path), "holds no requests")
+        raise TopologyError("bench.dataset", str(path), "holds no requests")
     return out
 
 

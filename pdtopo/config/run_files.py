@@ -1,6 +1,6 @@
 """Names inside a run directory, and finding a run directory again (shared by all layers).
 
-The launcher writes RUN/ (`pdtopo.launcher.run_dir`), the runtime reads it
+The launcher writes RUN/ (`pdtopo.launcher.render.run_dir`), the runtime reads it
 (`pdtopo.runtime.settings`), the CLI verbs and `pdtopo bench` find it: the file names, the
 token's environment variable and the look-up live here, below all of them.
 """

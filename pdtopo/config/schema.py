@@ -5,7 +5,7 @@
 also registered in Hydra's ConfigStore (`pdtopo_topology_schema`, `pdtopo_proxy_schema`) so tools can look them up by name.
 `typed_topology(cfg)` / `typed_proxy(cfg)` are what the planner calls; they raise
 `TopologyError` naming the offending key and value. Semantic checks (chips, ports, accelerator
-splits) live in `pdtopo.launcher.validate`.
+splits) live in `pdtopo.launcher.plan.validate`.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class ProxySchema:
     # gateway: seconds between its polls of every worker's load (null: its own default, 10 s,
     # whose stale view sends a burst of new requests all to one worker)
     load_monitor_interval_s: int | None = None
-    # rust: TCP_NODELAY on the client connections the router accepts (pdtopo.launcher.nodelay_exec);
+    # rust: TCP_NODELAY on the client connections the router accepts (pdtopo.launcher.programs.nodelay_exec);
     # "auto" = when a C compiler is there, true = required, false = off
     client_nodelay: Any = "auto"
     # rust, gateway: more router flags, appended to pdtopo's (e.g. ["--worker-wedge-secs",

@@ -1,25 +1,34 @@
-"""Typed settings of the runtime config groups: engine, kernels, disaggregation, local,
-bootstrap, server and launcher (OmegaConf structured configs, like the topology schema).
+"""Typed settings of the config groups: the runtime groups engine, kernels, disaggregation,
+local, bootstrap, server and launcher, and the `bench` and `tune` nodes (their dataclasses live
+in pdtopo.bench.settings and pdtopo.tune.settings). OmegaConf structured configs, like the
+topology schema.
 
-Defaults live in one place, conf/config.yaml: every field here is required (`MISSING`), so a
-composed config supplies it and code never repeats a default. `runtime_settings(cfg, role)`
-merges each group onto its dataclass (type-checking values, refusing unknown keys), applies the
-role's `topology.<role>.engine.*` overrides to the engine group (a P and a D may differ), checks
-the ranges below and returns one frozen `RuntimeSettings`. Every problem is a `TopologyError`
-naming the full key and value. The launcher validates with these objects at plan time and every
-runtime process reads them (`ProcessContext.settings`): one set of rules for both.
+Defaults live in one place, conf/ (conf/config.yaml, conf/bench/default.yaml): every field of
+these dataclasses is required (`MISSING`), so a composed config supplies it and code never
+repeats a default; `conf_defaults(group)` hands those values to code that builds settings
+without composing a config itself (tests, benchmarks). `typed_settings(schema, prefix, *nodes)`
+merges the nodes onto a dataclass (type-checking values, refusing unknown keys) and checks every
+field, nested dataclasses included, against the one table of RULES ("group.key" -> check);
+`runtime_settings(cfg, role)` does that for each runtime group, applies the role's
+`topology.<role>.engine.*` overrides to the engine group (a P and a D may differ) and returns
+one frozen `RuntimeSettings`. Every problem is a `TopologyError` naming the full key and value.
+The launcher validates with these objects at plan time and every runtime process reads them
+(`ProcessContext.settings`): one set of rules for both.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -27,6 +36,9 @@ ATTENTION_IMPLS = ("auto", "pallas", "gather")
 KERNEL_IMPLS = ("auto", "pallas", "xla")
 # the server threads `server.fault_inject_thread` can kill (pdtopo.runtime.worker_threads)
 FAULT_THREADS = ("scheduler", "side_channel", "kv_sweep", "bootstrap_keeper", "lockstep_control")
+ARRIVALS = ("poisson", "fixed")          # bench.arrival
+WORKLOADS = ("synthetic", "multiturn")   # bench.workload
+TUNE_KINDS = ("colocated", "dp", "pd")   # tune.kinds: the candidate families
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,9 @@ GROUPS: dict[str, type] = {
 }
 
 
+Rule = tuple[Callable[[Any], bool], str]  # (check, what the value must be)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -137,18 +152,30 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _at_least(n: float) -> tuple[Callable[[Any], bool], str]:
+def _at_least(n: float) -> Rule:
     return (lambda v: _is_int(v) and v >= n), f"an integer >= {n:g}"
 
 
-_POSITIVE = (lambda v: _is_number(v) and v > 0), "a number > 0"
+def _number(test: Callable[[float], bool], want: str, nullable: bool = False) -> Rule:
+    """A number (never a bool; NaN fails every test) passing `test`; or null if `nullable`."""
+    return (lambda v: (nullable and v is None) or (_is_number(v) and test(v))), \
+        f"null or {want}" if nullable else want
+
+
+def _one_of(choices: tuple[str, ...]) -> Rule:
+    return (lambda v: v in choices), f"one of {', '.join(choices)}"
+
+
+_POSITIVE = _number(lambda v: v > 0, "a number > 0")
 _OPTIONAL_AT_LEAST_1 = (lambda v: v is None or (_is_int(v) and v >= 1)), \
     "null or an integer >= 1"
+_FRACTION_BELOW_1 = _number(lambda v: 0 <= v < 1, "a number in [0, 1)")
+_SLO_MS = _number(lambda v: v >= 0, "a number of ms >= 0", nullable=True)
 
 # "group.key": (check, what the value must be)
-RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "engine.dtype": ((lambda v: v in DTYPES), f"one of {', '.join(DTYPES)}"),
-    "engine.kv_dtype": ((lambda v: v in DTYPES), f"one of {', '.join(DTYPES)}"),
+RULES: dict[str, Rule] = {
+    "engine.dtype": _one_of(DTYPES),
+    "engine.kv_dtype": _one_of(DTYPES),
     "engine.page_size": _at_least(1),
     "engine.num_pages": _at_least(2),
     "engine.kv_memory_fraction": ((lambda v: v is None or (_is_number(v) and 0 < v < 1)),
@@ -158,9 +185,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "engine.max_new_tokens_limit": _at_least(1),
     "engine.max_running_requests": _at_least(1),
     "engine.max_prefill_tokens": _at_least(1),
-    "engine.attention_impl": ((lambda v: v in ATTENTION_IMPLS),
-                              f"one of {', '.join(ATTENTION_IMPLS)}"),
-    "kernels.impl": ((lambda v: v in KERNEL_IMPLS), f"one of {', '.join(KERNEL_IMPLS)}"),
+    "engine.attention_impl": _one_of(ATTENTION_IMPLS),
+    "kernels.impl": _one_of(KERNEL_IMPLS),
     "disaggregation.transfer_backend": ((lambda v: v == "jax"), "jax"),
     "disaggregation.kv_timeout_s": _POSITIVE,
     "disaggregation.sender_expiry_s": _POSITIVE,
@@ -196,19 +222,70 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "launcher.prometheus_scrape_interval_s": _POSITIVE,
     "launcher.startsecs": _at_least(0),
     "launcher.startretries": _at_least(0),
+    # pdtopo.bench.settings.BenchSettings
+    "bench.num_requests": _at_least(1),
+    "bench.warmup_requests": _at_least(0),
+    "bench.request_rate": ((lambda v: v is None or (_is_number(v) and v > 0)),
+                           "a number > 0, or inf (null: inf)"),
+    "bench.arrival": _one_of(ARRIVALS),
+    "bench.max_concurrency": _at_least(1),
+    "bench.seed": _at_least(0),
+    "bench.timeout_s": _number(lambda v: v >= 0.001, "a number >= 0.001"),
+    "bench.input_len": _at_least(1),
+    "bench.input_len_range": _FRACTION_BELOW_1,
+    "bench.output_len": _at_least(1),
+    "bench.output_len_range": _FRACTION_BELOW_1,
+    "bench.token_id_range": ((lambda v: len(v) == 2 and all(_is_int(i) for i in v)
+                              and 0 <= v[0] < v[1]), "[low, high) with 0 <= low < high"),
+    "bench.workload": _one_of(WORKLOADS),
+    "bench.multiturn.system_prompts": _at_least(1),
+    "bench.multiturn.system_len": _at_least(1),
+    "bench.multiturn.conversations": _at_least(1),
+    "bench.multiturn.turns": _at_least(1),
+    "bench.multiturn.user_len": _at_least(1),
+    "bench.temperature": _number(lambda v: v >= 0, "a number >= 0"),
+    "bench.slo.ttft_ms": _SLO_MS,
+    "bench.slo.itl_ms": _SLO_MS,
+    # pdtopo.tune.settings.TuneSettings
+    "tune.chips": _OPTIONAL_AT_LEAST_1,
+    "tune.goodput_target": _number(lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "tune.start_rate": _number(lambda v: v > 0, "a number > 0 (requests/s)"),
+    "tune.growth": _number(lambda v: v > 1, "a number > 1"),
+    "tune.precision": _number(lambda v: 0 < v < 1, "a number in (0, 1)"),
+    "tune.max_runs_per_candidate": _at_least(1),
+    "tune.max_candidates": _at_least(1),
+    "tune.kinds": ((lambda v: len(v) > 0 and all(k in TUNE_KINDS for k in v)),
+                   f"a non-empty list of {', '.join(TUNE_KINDS)}"),
+    "tune.dir": ((lambda v: bool(v)), "a directory path"),
 }
 
 
-def _typed_group(schema: type, node: Any, prefix: str) -> Any:
-    if node is None:
+def plain_node(node: DictConfig | dict) -> dict[str, Any]:
+    """A config node as a plain dict (resolved): what the merges below take."""
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
+        else dict(node)
+
+
+def _value_at(layers: list[Any], key: str) -> Any:
+    """The value at `key` in the last layer that has one (what an error names)."""
+    for layer in reversed(layers):
+        value = OmegaConf.select(OmegaConf.create(layer), key, default=None)
+        if value is not None:
+            return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    return None
+
+
+def _typed_group(schema: type, prefix: str, *nodes: Any) -> Any:
+    if not nodes or any(node is None for node in nodes):
         raise TopologyError(prefix, None, "missing config section")
+    layers = [plain_node(node) for node in nodes]
     try:
-        plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
-            else dict(node)
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), *layers))
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or ""
         value = getattr(exc, "value", None)
+        if value is None and key:
+            value = _value_at(layers, key)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise TopologyError(f"{prefix}.{key}" if key else prefix, value,
                             f"invalid value, missing or unknown key ({reason})") from None
@@ -223,10 +300,33 @@ def check_value(key: str, value: Any) -> Any:
     return value
 
 
-def _check(group: str, settings: Any) -> None:
+def _check(prefix: str, settings: Any) -> None:
     for f in fields(settings):
-        if f"{group}.{f.name}" in RULES:
-            check_value(f"{group}.{f.name}", getattr(settings, f.name))
+        key, value = f"{prefix}.{f.name}", getattr(settings, f.name)
+        if is_dataclass(value):
+            _check(key, value)
+        elif key in RULES:
+            check_value(key, value)
+
+
+def typed_settings(schema: type, prefix: str, *nodes: Any) -> Any:
+    """`nodes` (DictConfig or dicts; later ones win) merged onto the dataclass `schema`, typed
+    and checked against RULES under `prefix` (e.g. "bench"): the machinery of every group."""
+    settings = _typed_group(schema, prefix, *nodes)
+    _check(prefix, settings)
+    return settings
+
+
+@functools.cache
+def _conf_group(group: str) -> Any:
+    return OmegaConf.to_container(compose_config([])[group], resolve=True)
+
+
+def conf_defaults(group: str) -> dict[str, Any]:
+    """The values conf/ gives `group` (the config composed with no overrides, resolved): the
+    defaults of code that builds settings without a composed config (tests, benchmarks).
+    Composed once per process; each call returns a fresh copy."""
+    return copy.deepcopy(_conf_group(group))
 
 
 def role_engine_overrides(cfg: DictConfig, role: str | None) -> dict[str, Any]:
@@ -243,9 +343,7 @@ def group_settings(cfg: DictConfig | dict, group: str, role: str | None = None) 
     node = cfg.get(group)
     if group == "engine" and role is not None and node is not None:
         node = {**OmegaConf.to_container(node, resolve=True), **role_engine_overrides(cfg, role)}
-    settings = _typed_group(GROUPS[group], node, group)
-    _check(group, settings)
-    return settings
+    return typed_settings(GROUPS[group], group, node)
 
 
 def engine_settings(node: DictConfig | dict | EngineSettings) -> EngineSettings:

@@ -29,8 +29,8 @@ from itertools import zip_longest
 from omegaconf import DictConfig
 
 from pdtopo.config.schema import TopologyError, TopologySchema
-from pdtopo.launcher.plan import Plan, expand_plan
-from pdtopo.launcher.tpu_env import Accelerator
+from pdtopo.launcher.plan.expand import Plan, expand_plan
+from pdtopo.launcher.plan.tpu_env import Accelerator
 
 SERVING = ("colocated", "prefill", "decode")
 

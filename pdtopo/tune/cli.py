@@ -9,11 +9,9 @@ import sys
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from pdtopo.bench.settings import BenchConfigError
 from pdtopo.config.schema import TopologyError
-from pdtopo.launcher import display
+from pdtopo.launcher.operate import display
 from pdtopo.tune.run import tune
-from pdtopo.tune.settings import TuneConfigError
 
 USAGE = """usage: pdtopo tune topology=NAME [tune.KEY=VALUE ...] [bench.KEY=VALUE ...]
   tune.chips=N                 chip budget (default: every chip of the topology's host)
@@ -38,7 +36,7 @@ def main(argv: list[str]) -> int:
     except TopologyError as exc:
         display.print_topology_error(exc, err)
         return 2
-    except (TuneConfigError, BenchConfigError, HydraException, OmegaConfBaseException) as exc:
+    except (HydraException, OmegaConfBaseException) as exc:
         err.print(f"[bold red]pdtopo tune:[/] {exc}", soft_wrap=True)
         return 2
     except KeyboardInterrupt:

@@ -17,7 +17,7 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -25,11 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher import diff
-from pdtopo.launcher.launch import host_cpus
-
-if TYPE_CHECKING:
-    from pdtopo.tune.run import Outcome
+from pdtopo.launcher.operate.hosts import host_cpus
+from pdtopo.launcher.render import diff
+from pdtopo.tune.outcome import Outcome
 
 BEST_NAME = "best"
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 from omegaconf import DictConfig
@@ -28,12 +27,12 @@ from pdtopo.bench.deployments import DetachedDeployment, run_cli
 from pdtopo.bench.run import run_bench, url_of_plan, wait_serving
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.config.compose import compose_config
+from pdtopo.config.run_conf import proxy_api_key
 from pdtopo.config.run_files import TOKEN_FILE, holds_deployment
 from pdtopo.config.schema import typed_proxy, typed_topology
-from pdtopo.launcher.launch import host_cpus
-from pdtopo.launcher.preflight import check_model
-from pdtopo.launcher.run_conf import proxy_api_key
-from pdtopo.launcher.tpu_env import accelerator_spec
+from pdtopo.launcher.operate.hosts import host_cpus
+from pdtopo.launcher.operate.preflight import check_model
+from pdtopo.launcher.plan.tpu_env import accelerator_spec
 from pdtopo.tune import report
 from pdtopo.tune.candidates import (
     SERVING,
@@ -42,23 +41,12 @@ from pdtopo.tune.candidates import (
     candidate_overrides,
     check_candidates,
 )
-from pdtopo.tune.search import SearchResult, find_max_rate
+from pdtopo.tune.outcome import Outcome
+from pdtopo.tune.search import find_max_rate
 from pdtopo.tune.settings import TuneSettings
 from pdtopo.tune.store import ResultStore, run_key
 
 STATS_KEPT = ("requests", "request_throughput", "ttft_ms", "itl_ms", "e2e_ms", "goodput")
-
-
-@dataclass
-class Outcome:
-    """What tune learned about one candidate."""
-
-    checked: Checked
-    key: str = ""
-    search: SearchResult | None = None
-    launch_s: float | None = None
-    error: str | None = None
-    records: dict[float, dict[str, Any]] = field(default_factory=dict)  # rate -> stored run
 
 
 class LaunchFailed(RuntimeError):

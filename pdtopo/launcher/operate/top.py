@@ -1,0 +1,207 @@
+"""`pdtopo top [RUN_DIR] [--interval S] [--once]`: a live table of a running deployment from its
+programs' /metrics (the targets of RUN/prometheus.yml).
+
+    sample(targets) -> Sample          one scrape of every program (parsed Prometheus text)
+    rows(plan, states, older, newer)   per program: role, state, req/s, running/queued, pages
+                                       used, KV transfer GB/s, TTFT p50/p99 over the window
+    run(run_dir, interval_s, once)     draws the table every interval (rich Live) or, with
+                                       --once, takes two samples interval apart, prints one
+                                       table and exits
+
+Rates and quantiles come from the difference of two samples (counters and histogram buckets),
+so they describe the last window, not the time since start. Every number is one process's own
+measurement; nothing subtracts two hosts' clocks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from pdtopo.config.run_files import PLAN_FILE
+from pdtopo.launcher.operate import display
+from pdtopo.launcher.operate.supervisor_control import Supervisor, SupervisorError
+from pdtopo.launcher.plan.expand import Plan
+from pdtopo.launcher.render.monitoring import ROUTER_JOB, Target, scrape_targets
+
+REQUESTS = {"pdtopo-servers": "pdtopo:requests_total", ROUTER_JOB: "smg_http_requests_total"}
+TTFT = "sglang:time_to_first_token_seconds"
+
+
+@dataclass
+class Scrape:
+    """One program's metrics: sample name -> [(labels, value)]; `error` when it did not answer."""
+
+    at: float
+    values: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+    error: str | None = None
+
+    def total(self, name: str) -> float | None:
+        found = self.values.get(name)
+        return None if found is None else sum(v for _labels, v in found)
+
+    def buckets(self, name: str) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for labels, value in self.values.get(f"{name}_bucket", []):
+            le = float(labels["le"])
+            out[le] = out.get(le, 0.0) + value
+        return out
+
+
+def parse(text: str, at: float) -> Scrape:
+    scrape = Scrape(at)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            scrape.values.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return scrape
+
+
+def scrape(target: Target, timeout: float = 2.0) -> Scrape:
+    now = time.monotonic()
+    try:
+        with urllib.request.urlopen(f"http://{target.address}/metrics", timeout=timeout) as resp:
+            return parse(resp.read().decode(errors="replace"), now)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return Scrape(now, error=str(getattr(exc, "reason", exc)))
+
+
+def sample(targets: list[Target]) -> dict[str, Scrape]:
+    return {t.labels["program"]: scrape(t) for t in targets}
+
+
+def quantile(q: float, older: dict[float, float], newer: dict[float, float]) -> float | None:
+    """The q-quantile of the observations between two cumulative bucket snapshots (linear
+    within a bucket, as Prometheus' histogram_quantile); None without observations."""
+    bounds = sorted(newer)
+    counts = [newer[b] - older.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, cum in zip(bounds, counts, strict=True):
+        if cum >= rank:
+            if math.isinf(bound):
+                return lower  # in the +Inf bucket: the highest finite bound
+            width = cum - below
+            return lower + (bound - lower) * ((rank - below) / width if width else 1.0)
+        lower, below = bound, cum
+    return lower
+
+
+@dataclass
+class Row:
+    program: str
+    role: str
+    state: str
+    req_s: float | None = None
+    running: float | None = None
+    queued: float | None = None
+    pages: str = "-"
+    transfer_gbps: float | None = None
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    error: str | None = None
+
+
+def _rate(name: str, a: Scrape, b: Scrape) -> float | None:
+    x, y = a.total(name), b.total(name)
+    if x is None or y is None or b.at <= a.at:
+        return None
+    return max(0.0, y - x) / (b.at - a.at)
+
+
+def rows(plan: Plan, states: dict[str, str], older: dict[str, Scrape],
+         newer: dict[str, Scrape]) -> list[Row]:
+    out = []
+    for t in scrape_targets(plan):
+        name = t.labels["program"]
+        a, b = older.get(name), newer.get(name)
+        row = Row(name, t.labels["role"], states.get(name, "-"))
+        if a is None or b is None or a.error or b.error:
+            row.error = next((s.error for s in (b, a) if s is not None and s.error), "no sample")
+            out.append(row)
+            continue
+        row.req_s = _rate(REQUESTS[t.job], a, b)
+        row.running = b.total("sglang:num_running_reqs")
+        row.queued = b.total("sglang:num_queue_reqs")
+        total, free = b.total("pdtopo:total_pages"), b.total("pdtopo:free_pages")
+        if total:
+            row.pages = f"{total - (free or 0):.0f}/{total:.0f}"
+        moved = _rate("pdtopo:kv_transfer_bytes_total", a, b)
+        row.transfer_gbps = None if moved is None else moved / 1e9
+        older_b, newer_b = a.buckets(TTFT), b.buckets(TTFT)
+        row.ttft_p50 = quantile(0.5, older_b, newer_b)
+        row.ttft_p99 = quantile(0.99, older_b, newer_b)
+        out.append(row)
+    return out
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def table(plan: Plan, data: list[Row], window_s: float) -> Table:
+    t = Table(title=f"pdtopo top: {plan.topology} (last {window_s:.1f} s; TTFT in ms)")
+    for col in ("program", "role", "state", "req/s", "run", "queue", "pages", "KV GB/s",
+                "TTFT p50", "TTFT p99"):
+        t.add_column(col, justify="left" if col in ("program", "role", "state") else "right",
+                     no_wrap=True)
+    for r in data:
+        if r.error:
+            t.add_row(r.program, r.role, r.state, f"[red]{r.error}[/]", "", "", "", "", "", "")
+            continue
+        t.add_row(r.program, r.role, r.state, _num(r.req_s, ".2f"), _num(r.running, ".0f"),
+                  _num(r.queued, ".0f"), r.pages, _num(r.transfer_gbps, ".3f"),
+                  _ms(r.ttft_p50), _ms(r.ttft_p99))
+    return t
+
+
+def _states(run_dir: Path) -> dict[str, str]:
+    try:
+        return {name: state for name, (state, _pid) in Supervisor(run_dir).states().items()}
+    except (SupervisorError, OSError):
+        return {}
+
+
+def run(run_dir: Path, interval_s: float = 2.0, once: bool = False) -> int:
+    con = display.console()
+    if not con.is_terminal:  # piped or captured: never cut a column to 80 characters
+        con = Console(highlight=False, width=160)
+    try:
+        plan = Plan.from_dict(json.loads((run_dir / PLAN_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        con.print(f"[bold red]pdtopo top:[/] {run_dir}: not a readable pdtopo run ({exc})")
+        return 2
+    targets = scrape_targets(plan)
+    older = sample(targets)
+    if once:
+        time.sleep(interval_s)
+        newer = sample(targets)
+        con.print(table(plan, rows(plan, _states(run_dir), older, newer), interval_s))
+        return 0
+    try:
+        with Live(table(plan, [], 0.0), console=con, refresh_per_second=2) as live:
+            while True:
+                time.sleep(interval_s)
+                newer = sample(targets)
+                window = max((s.at for s in newer.values()), default=0.0) - \
+                    max((s.at for s in older.values()), default=0.0)
+                live.update(table(plan, rows(plan, _states(run_dir), older, newer),
+                                  window or interval_s))
+                older = newer
+    except KeyboardInterrupt:
+        return 0
