@@ -1,15 +1,11 @@
-"""Shared test setup: JAX on the CPU with 4 emulated devices, an ASGI app served on a free port
-(pdtopo.ports) in a thread, repo paths."""
+"""Test setup for every test: JAX on the CPU with 4 emulated devices (set before anything
+imports JAX), and the `slow` marker on every test under tests/e2e/ (real processes, compiled
+engines, whole commands). Shared values and helpers are in tests/support/."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -19,34 +15,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import pytest  # noqa: E402
 
-from pdtopo.ports import free_port  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
 
 
-@contextlib.contextmanager
-def serve_in_thread(app: Any, **config: Any) -> Iterator[int]:
-    """Serve the ASGI `app` with uvicorn on a free 127.0.0.1 port in a daemon thread; yields
-    the port once the server accepts connections, and stops it on exit. `config`: more
-    `uvicorn.Config` settings (e.g. `http=`, `lifespan=`)."""
-    import uvicorn
-
-    port = free_port()
-    config.setdefault("log_level", "warning")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start within 20 s"
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
-@pytest.fixture
-def repo_root() -> Path:
-    return REPO_ROOT
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if E2E_DIR in Path(item.path).parents:
+            item.add_marker(pytest.mark.slow)

@@ -29,6 +29,7 @@ from itertools import zip_longest
 from omegaconf import DictConfig
 
 from pdtopo.config.schema import TopologyError, TopologySchema
+from pdtopo.config.settings import TUNE_KINDS
 from pdtopo.launcher.plan.expand import Plan, expand_plan
 from pdtopo.launcher.plan.tpu_env import Accelerator
 
@@ -70,7 +71,7 @@ def _role(role: str, instances: int, tp: int) -> list[str]:
 
 
 def candidate_overrides(topo: TopologySchema, acc: Accelerator, budget: int,
-                        kinds: Sequence[str] = ("colocated", "dp", "pd"),
+                        kinds: Sequence[str] = TUNE_KINDS,
                         max_candidates: int | None = None) -> list[Candidate]:
     base = [f"topology.accelerator=cpu-{budget}"] if acc.platform == "cpu" else []
     families: dict[str, list[Candidate]] = {"colocated": [], "dp": [], "pd": []}
@@ -92,7 +93,7 @@ def candidate_overrides(topo: TopologySchema, acc: Accelerator, budget: int,
     for fam in families.values():
         # stable: larger TP first among equal chip counts; P and D of one TP before mixed ones
         fam.sort(key=lambda c: -c.chips)
-    picked = [families[k] for k in ("colocated", "dp", "pd") if k in kinds]
+    picked = [families[k] for k in TUNE_KINDS if k in kinds]
     merged = [c for group in zip_longest(*picked) for c in group if c is not None]
     return merged[:max_candidates] if max_candidates else merged
 

@@ -1,0 +1,212 @@
+"""HF transformers is the reference: checkpoints written by transformers itself (tests.support.hf_checkpoints
+CASES: Llama with default / linear / llama3 RoPE and attention biases, Qwen2, Qwen3; tied and
+untied; GQA ratios of 3, 1 and 7 query heads per KV head; current and older config formats) give,
+in pdtopo, HF's last-prompt-position logits within 1e-4 and HF's 32 greedy tokens, on the
+colocated engine and through a P/D pair (real runners, transfer servers and ZMQ side channel,
+no HTTP), and through a launched 1P1D deployment (bootstrap, Rust router, P and D processes),
+whose chat completion (a tokenizer and chat template saved by transformers beside the weights)
+is HF's `apply_chat_template` + `generate`. Every prompt's smallest top-1 margin over the
+generated positions is asserted to exceed the tolerance first, so a near-tie cannot make a
+token comparison flaky.
+"""
+
+from __future__ import annotations
+
+import httpx
+import jax
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from pdtopo.config.compose import compose_config
+from pdtopo.ports import free_port
+from pdtopo.runtime.engine.mesh import build_mesh
+from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk
+from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
+from pdtopo.runtime.model.tokenizer import load_tokenizer
+from pdtopo.runtime.scheduler_factory import make_scheduler
+from pdtopo.runtime.settings import direct_process_context
+from tests.support.e2e import (
+    Deployment,
+    deployment_overrides,
+    generate,
+    port_block,
+    wait_pools_baseline,
+)
+from tests.support.hf_checkpoints import (
+    CASE_IDS,
+    CASES,
+    Case,
+    build,
+    hf_chat_ids,
+    hf_generate,
+    hf_greedy,
+    prompts,
+    save_chat_tokenizer,
+)
+
+ATOL = 1e-4
+NEW_TOKENS = 32
+ENGINE = ["model.tokenizer=byte", "engine.page_size=8", "engine.num_pages=64", "engine.max_model_len=96",
+          "engine.max_running_requests=4", "engine.max_prefill_tokens=64",
+          "disaggregation.kv_timeout_s=30"]
+pytestmark = pytest.mark.slow  # 9 checkpoints x 3 engines
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """The colocated, P and D runners of one checkpoint compile the same step programs: a
+    persistent cache for this module compiles each once (restored to off afterwards)."""
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    before = {k: getattr(jax.config, k) for k in keys}
+    compilation_cache.reset_cache()
+    jax.config.update(keys[0], str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update(keys[1], 0.0)
+    jax.config.update(keys[2], 0)
+    yield
+    for k, v in before.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
+def _scheduler(cfg, role: str, tok, tp: int = 1):
+    ports = {"http": free_port(), "transfer": free_port(), "zmq": free_port()}
+    ctx = direct_process_context(cfg, role=role, name=f"{role}_0",
+                                 extra={"ports": ports, "mesh": {"tp": tp}})
+    runner = ModelRunner(cfg.model, cfg.engine, build_mesh(tp))
+    return make_scheduler(ctx, runner, tok), runner
+
+
+def _req(prompt: list[int]) -> Req:
+    return Req(rid=new_rid(), prompt_ids=list(prompt), sink=QueueSink(),
+               sampling=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0,
+                                       ignore_eos=True))
+
+
+def _greedy_colocated(sched, batch: list[list[int]]) -> list[list[int]]:
+    reqs = [_req(p) for p in batch]
+    for r in reqs:
+        sched.submit(r)
+    return [list(r.sink.collect(120)[0]) for r in reqs]
+
+
+def _greedy_pd(p_sched, d_sched, batch: list[list[int]]) -> list[list[int]]:
+    pairs = []
+    for room, prompt in enumerate(batch, start=500):
+        rp, rd = _req(prompt), _req(prompt)
+        for r in (rp, rd):
+            r.bootstrap_room = room
+            r.bootstrap_host, r.bootstrap_port = "127.0.0.1", p_sched.kv_manager.channel.port
+        pairs.append((rp, rd))
+    for rp, rd in pairs:
+        d_sched.submit(rd)
+        p_sched.submit(rp)
+    out = []
+    for rp, rd in pairs:
+        rp.sink.collect(120)
+        ids, final = rd.sink.collect(120)
+        assert final.finish_reason["type"] == "length", final.finish_reason
+        out.append(list(ids))
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_checkpoint_matches_hf_colocated_and_pd(tmp_path, case):
+    directory, model = build(case, tmp_path)
+    cfg = compose_config(["model=hf_local", f"model.path={directory}", *ENGINE])
+    batch = prompts(seed=sum(map(ord, case.name)))
+    refs = [hf_greedy(model, p, NEW_TOKENS) for p in batch]
+    for prompt, ref in zip(batch, refs, strict=True):
+        assert ref.min_margin > ATOL, (len(prompt), ref.min_margin)  # no near-ties
+
+    tok = load_tokenizer(cfg.model)
+    colocated, runner = _scheduler(cfg, "colocated", tok)
+    loaded = runner.config
+    assert (loaded.architecture, loaded.tie_word_embeddings, loaded.num_kv_heads,
+            loaded.head_dim) == (case.arch, case.tied, case.kv_heads, case.head_dim)
+    assert loaded.rope.kind == (case.rope or {}).get("rope_type", "default")
+    for prompt, ref in zip(batch, refs, strict=True):
+        pages = list(range(1, 1 + -(-len(prompt) // 8)))
+        logits = np.asarray(runner.forward([SeqChunk(prompt, 0, pages)]))[0]
+        np.testing.assert_allclose(logits, ref.last_logits, rtol=0, atol=ATOL)
+    colocated.start()
+    try:
+        assert _greedy_colocated(colocated, batch) == [r.tokens for r in refs]
+    finally:
+        colocated.stop()
+
+    p_sched, _ = _scheduler(cfg, "prefill", tok)
+    d_sched, _ = _scheduler(cfg, "decode", tok)
+    p_sched.start()
+    d_sched.start()
+    try:
+        assert _greedy_pd(p_sched, d_sched, batch) == [r.tokens for r in refs]
+    finally:
+        p_sched.stop()
+        d_sched.stop()
+
+
+def test_tensor_parallel_qwen3_matches_hf(tmp_path):
+    """tp=2 splits Qwen3's heads (and its per-head q/k norms stay whole per head)."""
+    case = Case("qwen3_tp2", "qwen3", heads=6, kv_heads=2, head_dim=16, hidden=48)
+    directory, model = build(case, tmp_path)
+    cfg = compose_config(["model=hf_local", f"model.path={directory}", *ENGINE])
+    runner = ModelRunner(cfg.model, cfg.engine, build_mesh(2))
+    assert runner.tp == 2
+    prompt = prompts(seed=7, lengths=(30,))[0]
+    ref = hf_greedy(model, prompt, NEW_TOKENS)
+    assert ref.min_margin > ATOL
+    ids, pos = list(prompt), 0
+    pages = list(range(1, 9))
+    for _ in range(NEW_TOKENS):
+        logits = np.asarray(runner.forward([SeqChunk(ids[pos:], pos, pages)]))[0]
+        if pos == 0:
+            np.testing.assert_allclose(logits, ref.last_logits, rtol=0, atol=ATOL)
+        pos = len(ids)
+        ids.append(int(np.argmax(logits)))
+    assert ids[len(prompt):] == ref.tokens
+
+
+def test_launched_1p1d_serves_hf_tokens(tmp_path):
+    """`pdtopo launch` 1P1D with a current-format Qwen3 checkpoint (rope_parameters only: the
+    format that gave wrong tokens from the first one on) and a tokenizer saved by transformers
+    (chat_template.jinja with a default system prompt, as SmolLM2-Instruct's): HF's greedy
+    tokens through the proxy, batch requests included; a chat completion answers HF's
+    `generate` on `apply_chat_template`'s ids; every pool back at its baseline afterwards."""
+    case = next(c for c in CASES if c.name == "qwen3_head_dim")
+    directory, model = build(case, tmp_path)
+    hf_tok = save_chat_tokenizer(directory)
+    batch = prompts(seed=11)
+    refs = [hf_greedy(model, p, NEW_TOKENS) for p in batch]
+    assert min(r.min_margin for r in refs) > ATOL
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    chat_ids = hf_chat_ids(hf_tok, chat)
+    chat_tokens = hf_generate(model, chat_ids, NEW_TOKENS)
+    assert hf_greedy(model, chat_ids, NEW_TOKENS).min_margin > ATOL
+    engine = [o for o in ENGINE if o.split("=")[0] not in ("model.tokenizer",
+                                                           "engine.max_model_len")]
+    dep = Deployment(tmp_path / "run", ["model=hf_local", f"model.path={directory}", *engine,
+                                        "model.tokenizer=hf", "engine.max_model_len=128",
+                                        *deployment_overrides(port_block(40))])
+    dep.launch()
+    try:
+        sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        for prompt, ref in zip(batch, refs, strict=True):
+            out = generate(dep.proxy_url, {"input_ids": prompt, "sampling_params": sampling})
+            assert out["output_ids"] == ref.tokens
+        outs = generate(dep.proxy_url, {"input_ids": batch, "sampling_params": sampling})
+        assert [o["output_ids"] for o in outs] == [r.tokens for r in refs]
+        out = generate(dep.proxy_url, {"input_ids": chat_ids, "sampling_params": sampling})
+        assert out["output_ids"] == chat_tokens
+        resp = httpx.post(f"{dep.proxy_url}/v1/chat/completions", timeout=120, json={
+            "messages": chat, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["usage"]["prompt_tokens"] == len(chat_ids)  # HF's template, no extra BOS
+        assert body["usage"]["completion_tokens"] == NEW_TOKENS
+        assert body["choices"][0]["message"]["content"] == hf_tok.decode(
+            chat_tokens, skip_special_tokens=True)
+        wait_pools_baseline(dep)
+    finally:
+        dep.stop_and_check()

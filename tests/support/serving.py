@@ -1,0 +1,35 @@
+"""An ASGI app served for real in the test process: uvicorn on a free 127.0.0.1 port
+(pdtopo.ports) in a daemon thread, for tests of HTTP clients and middleware."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from pdtopo.ports import free_port
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, **config: Any) -> Iterator[int]:
+    """Serve the ASGI `app` with uvicorn on a free 127.0.0.1 port in a daemon thread; yields
+    the port once the server accepts connections, and stops it on exit. `config`: more
+    `uvicorn.Config` settings (e.g. `http=`, `lifespan=`)."""
+    import uvicorn
+
+    port = free_port()
+    config.setdefault("log_level", "warning")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start within 20 s"
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
