@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
+from pdtopo.model_config.safetensors_view import SafetensorsFile
 from pdtopo.model_config.shapes import layer_param_shapes, param_shapes
 from pdtopo.model_config.spec import ModelConfig
 
@@ -81,9 +81,8 @@ def checkpoint_index(directory: str | Path) -> dict[str, Path]:
                                 f"(and no {INDEX_FILE})")
     out = {}
     for path in files:
-        with safe_open(str(path), framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                out[name] = path
+        for name in SafetensorsFile(path).names():
+            out[name] = path
     return out
 
 
@@ -100,35 +99,42 @@ def unused_tensors(cfg: ModelConfig, index: dict[str, Path]) -> list[str]:
 
 
 class TensorReader:
-    """Opens each safetensors file once and reads tensors by name."""
+    """Opens each safetensors file once; a tensor's shape from the header, its data as a lazy
+    view (`view`: bytes are read only where it is sliced)."""
 
     def __init__(self, directory: Path, index: dict[str, Path]):
-        self.directory, self.index, self._open = directory, index, {}
+        self.directory, self.index = directory, index
+        self._open: dict[Path, SafetensorsFile] = {}
 
-    def _handle(self, name: str):
+    def _handle(self, name: str) -> tuple[SafetensorsFile, Path]:
         path = self.index.get(name)
         if path is None:
             files = sorted({p.name for p in self.index.values()})
             raise KeyError(f"model.path={str(self.directory)!r}: tensor {name!r} not found in "
                            f"{', '.join(files)}")
         if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="numpy")
+            self._open[path] = SafetensorsFile(path)
         return self._open[path], path
 
     def shape(self, name: str) -> tuple[tuple[int, ...], Path]:
         """The tensor's shape from its file's header (no data read)."""
         handle, path = self._handle(name)
         try:
-            return tuple(handle.get_slice(name).get_shape()), path
-        except Exception as e:  # the index may promise a tensor the file lacks
+            return handle.shape(name), path
+        except KeyError as e:  # the index may promise a tensor the file lacks
+            raise KeyError(f"{path}: cannot read tensor {name!r} listed in the index: {e}") from e
+
+    def view(self, name: str) -> np.ndarray:
+        """The tensor in its stored dtype, as a read-only view of its file."""
+        handle, path = self._handle(name)
+        try:
+            return handle.view(name)
+        except KeyError as e:
             raise KeyError(f"{path}: cannot read tensor {name!r} listed in the index: {e}") from e
 
     def read(self, name: str) -> np.ndarray:
-        handle, path = self._handle(name)
-        try:
-            return handle.get_tensor(name)
-        except Exception as e:
-            raise KeyError(f"{path}: cannot read tensor {name!r} listed in the index: {e}") from e
+        """The whole tensor, read into memory."""
+        return np.array(self.view(name))
 
     def __enter__(self) -> TensorReader:
         return self
@@ -138,9 +144,7 @@ class TensorReader:
 
     def close(self) -> None:
         for handle in self._open.values():
-            close = getattr(handle, "__exit__", None)
-            if close is not None:
-                close(None, None, None)
+            handle.close()
         self._open.clear()
 
 

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                                     timeout_keep_alive=ctx.settings.server.keep_alive_s))
 
     def loader() -> None:
+        state.load_progress.attach()
         try:
             load_engine(state)
             log.info("%s (%s) ready at http://%s:%d", ctx.name, ctx.role, host, port)
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("engine failed to load")
             state.load_error = f"{type(exc).__name__}: {exc}"
             server.should_exit = True
+        finally:
+            state.load_progress.detach()
 
     log.info("%s (%s) starting on http://%s:%d (health 503 until loaded)", ctx.name, ctx.role,
              host, port)

@@ -210,3 +210,71 @@ def test_launched_1p1d_serves_hf_tokens(tmp_path):
         wait_pools_baseline(dep)
     finally:
         dep.stop_and_check()
+
+
+BF16_ATOL = 0.15  # bf16 logits (8-bit mantissa) of two implementations: measured <= 0.093
+
+
+def test_bfloat16_checkpoint_serves_hf_bfloat16_tokens(tmp_path):
+    """A bfloat16 checkpoint saved by transformers loads (cast per block, no float32 copy of the
+    model) and, with engine.dtype=bfloat16, follows HF's bfloat16 run: fed HF's tokens, every
+    step's logits are within bf16 tolerance of HF's and pick HF's token wherever HF's top-1
+    margin exceeds twice that tolerance; served greedily (colocated and through a P/D pair) it
+    gives HF's tokens up to HF's first near-tie, where the two may part."""
+    import torch
+
+    case = Case("llama_bf16", "llama", heads=8, kv_heads=2, head_dim=16, hidden=128, layers=3,
+                intermediate=192)
+    _, model = build(case, tmp_path / "f32")
+    model = model.to(torch.bfloat16)
+    directory = tmp_path / "bf16"
+    model.save_pretrained(str(directory))
+    written = (directory / "config.json").read_text()
+    assert '"bfloat16"' in written, written  # a bf16 checkpoint, as transformers writes one
+    cfg = compose_config(["model=hf_local", f"model.path={directory}", *ENGINE,
+                          "engine.dtype=bfloat16"])
+    batch = prompts(seed=3)
+    refs = [hf_greedy(model, p, NEW_TOKENS) for p in batch]
+    tok = load_tokenizer(cfg.model)
+    colocated, runner = _scheduler(cfg, "colocated", tok)
+    assert runner.params["layers"][0]["wq"].dtype == jax.numpy.bfloat16
+    compared = 0
+    for prompt, ref in zip(batch, refs, strict=True):
+        ids = list(prompt) + ref.tokens
+        pages = list(range(1, 1 + -(-len(ids) // 8)))
+        logits = np.asarray(runner.forward([SeqChunk(prompt, 0, pages)]))[0]
+        for i in range(NEW_TOKENS):
+            if i:
+                pos = len(prompt) + i - 1
+                logits = np.asarray(runner.forward([SeqChunk([ids[pos]], pos, pages)]))[0]
+            np.testing.assert_allclose(logits, ref.step_logits[i], rtol=0, atol=BF16_ATOL)
+            top2 = np.sort(ref.step_logits[i])[-2:]
+            if top2[1] - top2[0] > 2 * BF16_ATOL:
+                assert int(np.argmax(logits)) == ref.tokens[i], (i, top2)
+                compared += 1
+    assert compared >= NEW_TOKENS // 2, compared  # enough steps are clear of near-ties
+
+    def sure(ref) -> int:
+        """Tokens before HF's first near-tie: there both must agree."""
+        top2 = np.sort(ref.step_logits, axis=-1)[:, -2:]
+        close = np.nonzero(top2[:, 1] - top2[:, 0] < 2 * BF16_ATOL)[0]
+        return int(close[0]) if close.size else NEW_TOKENS
+
+    checked = [sure(r) for r in refs]
+    colocated.start()
+    try:
+        got = _greedy_colocated(colocated, batch)
+    finally:
+        colocated.stop()
+    p_sched, _ = _scheduler(cfg, "prefill", tok)
+    d_sched, _ = _scheduler(cfg, "decode", tok)
+    p_sched.start()
+    d_sched.start()
+    try:
+        got_pd = _greedy_pd(p_sched, d_sched, batch)
+    finally:
+        p_sched.stop()
+        d_sched.stop()
+    for ours, ours_pd, ref, n in zip(got, got_pd, refs, checked, strict=True):
+        assert ours[:n] == ref.tokens[:n]
+        assert ours_pd[:n] == ref.tokens[:n]

@@ -28,7 +28,7 @@ from pdtopo.model_config.random_checkpoint import (
 from pdtopo.model_config.spec import model_config_from_cfg
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk
-from pdtopo.runtime.model.loader import load_host_params
+from pdtopo.runtime.model.loader import load_params
 from pdtopo.runtime.model.tokenizer import HFTokenizer, StreamDecoder, load_tokenizer
 
 # ----------------------------------------------------------- independent NumPy reference
@@ -141,13 +141,13 @@ def test_missing_and_misshaped_tensors_name_file_and_tensor(tmp_path):
     part["model.layers.1.mlp.up_proj.weight"] = np.zeros((FF + 1, H), np.float32)
     save_file(part, str(root / file))
     with pytest.raises(ValueError, match=rf"{file}.*model.layers.1.mlp.up_proj.weight.*shape"):
-        load_host_params(cfg)
+        load_params(cfg, build_mesh(1), np.float32)
     del part["model.layers.1.mlp.up_proj.weight"]
     del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
     save_file(part, str(root / file))
     (root / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight.*not found"):
-        load_host_params(cfg)
+        load_params(cfg, build_mesh(1), np.float32)
     with pytest.raises(FileNotFoundError, match="config.json"):
         model_config_from_cfg({"path": str(tmp_path)})
 
@@ -159,6 +159,6 @@ def test_unsharded_checkpoint_without_index(tmp_path):
         f.unlink()
     (root / "model.safetensors.index.json").unlink()
     save_file(tensors, str(root / "model.safetensors"))
-    params = load_host_params(model_config_from_cfg({"path": str(root)}))
-    np.testing.assert_array_equal(params["layers"][1]["wq"],
+    params = load_params(model_config_from_cfg({"path": str(root)}), build_mesh(1), np.float32)
+    np.testing.assert_array_equal(np.asarray(params["layers"][1]["wq"]),
                                   tensors["model.layers.1.self_attn.q_proj.weight"].T)

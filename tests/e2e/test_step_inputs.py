@@ -138,7 +138,7 @@ def test_engine_compiles_nothing_while_serving_a_mixed_workload():
     sched = Scheduler(direct_process_context(cfg), runner, load_tokenizer(cfg.model))
     runner.warmup()
     sched.warmup()
-    assert set(runner._shapes) == runner.shape_grid()
+    assert runner.compiled_keys() == runner.shape_grid()
     compiles = []
 
     def on_event(event: str, duration: float, **_kw) -> None:
@@ -174,5 +174,5 @@ def test_engine_compiles_nothing_while_serving_a_mixed_workload():
     assert sched.num_preemptions > 0  # the pool is small on purpose
     st = sched.stats()
     assert not baseline_problems(st), baseline_problems(st)
-    assert runner._shapes == runner.shape_grid()
+    assert runner.compiled_keys() == runner.shape_grid()
     assert compiles == [], f"{len(compiles)} XLA compilations while serving"

@@ -1,5 +1,6 @@
 """The launcher's readiness rules: a Rust router is ready only once it lists every worker; a
-program that crash-loops, backs off or is FATAL during start-up ends the wait at once."""
+program that crash-loops, backs off or is FATAL during start-up ends the wait at once; a loading
+server's progress (its /health 503 message) reaches the health table's rows."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pdtopo.config.compose import compose_config
-from pdtopo.launcher.operate.health import router_workers_ready, wait_for_programs
+from pdtopo.launcher.operate.health import (
+    loading_detail,
+    router_workers_ready,
+    wait_for_programs,
+)
 from pdtopo.launcher.plan.expand import expand_plan
 
 
@@ -87,7 +92,7 @@ def _wait(sequence, timeout_s=180.0):
         return next(polls)
 
     result = wait_for_programs(_plan(), states, timeout_s, poll_s=0, probe_fn=lambda _u: False,
-                               clock=lambda: next(clock), workers_fn=None)
+                               clock=lambda: next(clock), workers_fn=None, detail_fn=None)
     return result, len(taken)
 
 
@@ -113,3 +118,44 @@ def test_fatal_fails_at_once_backoff_retries_and_a_slow_start_waits():
     slow = [{"colocated_0": ("RUNNING", 10)}] * 10
     result, polls = _wait(slow, timeout_s=3.0)
     assert not result.ok and "not healthy" in result.reason and polls == 7  # 3.5 s > 3 s
+
+
+def test_a_loading_servers_progress_is_read_from_its_503(router):
+    url, state = router
+    assert loading_detail(url) == ""  # healthy: nothing to say
+    state["status"] = 503
+    assert loading_detail(url) == ""  # a 503 without pdtopo's error body
+    assert loading_detail("http://127.0.0.1:9", timeout=0.5) == ""  # not answering yet
+
+    class Loading(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server API
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": {
+                "message": "engine is loading: compiled step shape 3/10"}}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Loading)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert loading_detail(f"http://127.0.0.1:{srv.server_address[1]}/health") == \
+            "compiled step shape 3/10"
+    finally:
+        srv.shutdown()
+
+
+def test_progress_is_shown_while_loading_and_cleared_once_healthy():
+    said = iter(["loading weights 10/20 tensors", "", "compiled step shape 1/4"])
+    healthy = iter([False, False, False, True])
+    seen = []
+    result = wait_for_programs(
+        _plan(), lambda: {"colocated_0": ("RUNNING", 10)}, 60.0, poll_s=0,
+        probe_fn=lambda _u: next(healthy), workers_fn=None,
+        detail_fn=lambda _u: next(said), clock=iter(range(100)).__next__,
+        on_update=lambda rows: seen.append([r.progress for r in rows]))
+    assert result.ok
+    # an empty answer (between two log lines) keeps the last progress shown
+    assert seen == [["loading weights 10/20 tensors"], ["loading weights 10/20 tensors"],
+                    ["compiled step shape 1/4"], [""]]

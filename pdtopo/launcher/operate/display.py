@@ -29,14 +29,16 @@ def print_topology_error(err: TopologyError, con: Console | None = None) -> None
 def health_table(plan: Plan, rows: list[Row], title: str = "pdtopo launch") -> Table:
     procs = plan.by_name()
     table = Table(title=title)
-    for col in ("program", "role", "state", "pid", "health", "waited", "health url"):
+    for col in ("program", "role", "state", "pid", "health", "waited", "progress",
+                "health url"):
         table.add_column(col)
     for row in rows:
         proc = procs[row.name]
         style = STATE_STYLE.get(row.state, "")
         health = "[green]healthy[/]" if row.healthy else "[yellow]waiting[/]"
         table.add_row(row.name, proc.role, f"[{style}]{row.state}[/]" if style else row.state,
-                      str(row.pid or "-"), health, f"{row.waited_s:.1f}s", proc.health_url)
+                      str(row.pid or "-"), health, f"{row.waited_s:.1f}s",
+                      row.progress or "-", proc.health_url)
     return table
 
 

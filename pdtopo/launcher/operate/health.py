@@ -6,8 +6,11 @@ health URLs, calling `on_update(rows)` after every poll so the caller can draw p
 program that is FATAL (supervisord gave up restarting a program that exits before
 `launcher.startsecs`), or that has exited `CRASH_LOOP_EXITS` times after running past
 startsecs (supervisord restarts those forever: a start-up error there is a crash loop, not a
-slow start; seen as EXITED or as a new pid), fails the wait at once. The proxy counts as healthy only once the router has
-registered every P and D worker (`router_workers_ready`). Returns a `WaitResult`.
+slow start; seen as EXITED or as a new pid), fails the wait at once. The proxy counts as
+healthy only once the router has registered every P and D worker (`router_workers_ready`). A
+server that is not healthy yet is asked what it is doing (`loading_detail`: its /health 503
+names the load step, e.g. "loading weights 40/272 tensors", "compiled step shape 3/10"), shown
+in the row's progress. Returns a `WaitResult`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pdtopo.launcher.plan.expand import Plan
 
 FAILED_STATES = {"FATAL"}
+LOADING_ROLES = ("prefill", "decode", "colocated", "local")  # their /health 503 says progress
 CRASH_LOOP_EXITS = 2  # exits of one program during the launch that end it
 
 
@@ -31,6 +35,23 @@ def probe(url: str, timeout: float = 2.0) -> bool:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def loading_detail(url: str, timeout: float = 2.0) -> str:
+    """What a loading server says it is doing: the message of its /health 503 ("engine is
+    loading: compiled step shape 3/10" -> "compiled step shape 3/10"), or "" when it says
+    nothing (not answering yet, or not a pdtopo server)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return ""
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read() or b"{}")["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return ""
+        return str(message).removeprefix("engine is loading: ")[:80]
+    except (urllib.error.URLError, OSError, ValueError):
+        return ""
 
 
 def router_workers_ready(base_url: str, expected: int, timeout: float = 2.0,
@@ -72,6 +93,7 @@ class Row:
     waited_s: float = 0.0
     exits: int = 0  # times it exited after running past startsecs (EXITED, or a new pid)
     ran: bool = False  # the current pid was seen RUNNING
+    progress: str = ""  # what a loading server says it is doing (`loading_detail`)
 
 
 @dataclass
@@ -103,6 +125,7 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
                       poll_s: float = 0.5, probe_fn: Callable[[str], bool] = probe,
                       clock: Callable[[], float] = time.monotonic,
                       workers_fn: Callable[[str, int], bool] | None = router_workers_ready,
+                      detail_fn: Callable[[str], str] | None = loading_detail,
                       ) -> WaitResult:
     order = plan.start_order()
     rows = {p.name: Row(p.name) for p in order}
@@ -120,6 +143,10 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
                                   f"{proc.name} {failure}")
             if not row.healthy and row.state == "RUNNING":
                 row.healthy = probe_fn(proc.health_url)
+                if not row.healthy and detail_fn is not None and proc.role in LOADING_ROLES:
+                    row.progress = detail_fn(proc.health_url) or row.progress
+                if row.healthy:
+                    row.progress = ""
                 if row.healthy and proc.role == "proxy" and workers_fn is not None:
                     base = proc.health_url.rsplit("/", 1)[0]
                     row.healthy = workers_fn(base, proxy_worker_count(plan))

@@ -187,7 +187,7 @@ async def health(state: ServerDep) -> JSONResponse:
     if state.load_error:
         return error_response(503, f"engine failed to load: {state.load_error}")
     if not state.ready:
-        return error_response(503, "engine is loading")
+        return error_response(503, f"engine is loading: {state.load_progress.latest()}")
     if state.scheduler is None or not state.scheduler.alive:
         return error_response(503, "engine scheduler has stopped")
     if state.draining:

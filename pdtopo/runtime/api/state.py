@@ -31,6 +31,7 @@ from pdtopo.runtime.engine.request import (
     SamplingParams,
     new_rid,
 )
+from pdtopo.runtime.load_progress import LoadProgress
 
 DISAGG_MODE = {"colocated": "null", "prefill": "prefill", "decode": "decode"}
 # prompts tokenized at once off the event loop (more wait in the pool's queue); bodies are
@@ -89,6 +90,7 @@ class ServerState:
         self.scheduler = None
         self.runner = None
         self.ready = False
+        self.load_progress = LoadProgress()  # what the loader is doing (/health's 503 says)
         # both owned by the server's event loop: set by POST /pdtopo/drain, and the number of
         # inference requests (/generate, /v1/...) whose response has not been fully sent
         self.draining = False

@@ -156,6 +156,8 @@ class _Endpoint:
                         if event["event"] == zmq.EVENT_DISCONNECTED:
                             self._on_disconnect(int(event["value"]))
                 self._tick()
+            except zmq.ContextTerminated:
+                break  # close() gave up waiting and terminated the context: sockets go now
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     break

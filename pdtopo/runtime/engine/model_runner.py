@@ -6,9 +6,10 @@ per sequence: prefill chunks (many tokens), decode chunks (one token) or a mix. 
      step's shape depends on its batch bucket only, a prefill step's on its token bucket only,
      so the set of shapes is finite and small (`shape_grid`), `warmup` compiles all of it and
      steady-state serving never compiles; padded tokens write their K/V to the reserved page 0;
-  2. runs the jitted step of that layout (`_step`): decoder forward with paged attention
-     (`pdtopo.runtime.engine.attention`), writing the new K/V into `kv_caches` (donated, updated in
-     place) and returning float32 logits at each chunk's last token.
+  2. runs the step's compiled programs (`pdtopo.runtime.engine.step_programs`: embed, one
+     decoder layer executable called once per layer, head): paged attention
+     (`pdtopo.runtime.engine.attention`) writes the new K/V into `kv_caches` (donated, updated in
+     place); the result is float32 logits at each chunk's last token.
 KV pool format (docs/architecture.md): 2*L arrays `[num_pages, page_size, kv_heads, head_dim]`
 ordered k_0, v_0, k_1, v_1, ..., sharded `P(None, None, "tp", None)`.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,7 +36,6 @@ from pdtopo.config.settings import EngineSettings, engine_settings
 from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
 from pdtopo.runtime.engine import attention as attn
 from pdtopo.runtime.engine.step_inputs import (
-    LAYOUTS,
     StepGeometry,
     StepInputs,
     bucket,
@@ -42,6 +43,7 @@ from pdtopo.runtime.engine.step_inputs import (
     shape_grid,
     warmup_batches,
 )
+from pdtopo.runtime.engine.step_programs import StepPrograms
 from pdtopo.runtime.model import llama
 from pdtopo.runtime.model.loader import load_params
 
@@ -115,14 +117,8 @@ class ModelRunner:
             max_prefill_tokens=self.max_prefill_tokens,
             layout_kind="ragged" if self.attention_impl == "pallas" else "paged")
         self._replicated = NamedSharding(mesh, P())
-        self._steps = {
-            layout: jax.jit(
-                partial(_step, cfg=self.config, mesh=mesh, impl=self.attention_impl,
-                        layout=layout, block_pages=self.geometry.block_pages),
-                donate_argnums=(1,),
-                out_shardings=(self._replicated, [self.kv_sharding] * len(self.kv_caches)))
-            for layout in LAYOUTS}
-        self._shapes: set[tuple] = set()
+        self._programs = StepPrograms(self.config, mesh, self.attention_impl,
+                                      self.geometry.block_pages, self.kv_sharding)
         self._lock = threading.Lock()  # forward is single-owner; the lock guards misuse
         log.info("ModelRunner: %s tp=%d dtype=%s kv_dtype=%s pages=%d x %d attention=%s%s",
                  self.config.name, self.tp, self.dtype, self.kv_dtype, self.num_pages,
@@ -209,8 +205,12 @@ class ModelRunner:
         }  # num_pages is left out on purpose: P and D pools may differ in size
 
     def compile_count(self) -> int:
-        """Distinct bucketed shapes the step function has been compiled for."""
-        return len(self._shapes)
+        """Distinct bucketed step shapes compiled so far (warmup's and any compiled later)."""
+        return self._programs.compiled_shapes
+
+    def compiled_keys(self) -> set[tuple]:
+        """The step shapes (StepKeys) compiled so far."""
+        return self._programs.keys()
 
     # ------------------------------------------------------------------ forward
 
@@ -237,14 +237,20 @@ class ModelRunner:
                 raise ValueError(f"chunk {i}: page ids must be in [1, {self.num_pages}) "
                                  f"(page 0 is reserved), got {pages.tolist()}")
 
-    def _run(self, step: StepInputs) -> jax.Array:
+    def _device_inputs(self, step: StepInputs) -> tuple:
         put = partial(jax.device_put, device=self._replicated)
-        tokens, positions, md, last_idx = jax.tree.map(
-            put, (step.tokens, step.positions, step.md, step.last_idx))
+        return jax.tree.map(put, (step.tokens, step.positions, step.md, step.last_idx))
+
+    def _abstract_inputs(self, step: StepInputs) -> tuple:
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated),
+            (step.tokens, step.positions, step.md, step.last_idx))
+
+    def _run(self, step: StepInputs) -> jax.Array:
+        inputs = self._device_inputs(step)
         with self._lock:
-            logits, self.kv_caches = self._steps[step.key[0]](
-                self.params, self.kv_caches, tokens, positions, md, last_idx)
-            self._shapes.add(step.key)
+            logits, self.kv_caches = self._programs.run(step.key, self.params, self.kv_caches,
+                                                        *inputs)
         return logits
 
     def forward(self, chunks: list[SeqChunk], padded: bool = False) -> jax.Array:
@@ -267,25 +273,23 @@ class ModelRunner:
     def warmup(self, decode: bool = True, prefill: bool = True) -> None:
         """Compile every step shape the scheduler can produce: decode at every batch bucket up
         to max_running_requests, prefill at every token bucket up to max_prefill_tokens; a
-        role that never runs one kind skips it (`WARMUP_BY_ROLE`). Warmup steps only write the
-        reserved page 0."""
-        for batch in warmup_batches(self.geometry, decode, prefill):
-            chunks = [SeqChunk([0] * t, s, [0] * math.ceil((s + t) / self.page_size))
-                      for t, s in batch]
-            # page 0 only: no pool page is touched
-            jax.block_until_ready(self._run(prepare_step(chunks, self.geometry)))
-
-
-def _step(params, kv_caches, tokens, positions, md, last_idx, *, cfg: ModelConfig,
-          mesh: Mesh, impl: str, layout: str, block_pages: int):
-    caches = list(kv_caches)
-
-    def attention(layer: int, q, k, v):
-        out, caches[2 * layer], caches[2 * layer + 1] = attn.paged_attention(
-            q, k, v, caches[2 * layer], caches[2 * layer + 1], md, mesh=mesh, impl=impl,
-            layout=layout, block_pages=block_pages)
-        return out
-
-    hidden = llama.forward_hidden(params, cfg, tokens, positions, attention)
-    logits = llama.compute_logits(params, cfg, hidden[last_idx])
-    return logits, caches
+        role that never runs one kind skips it (`WARMUP_BY_ROLE`). Shapes compile from their
+        inputs' shapes alone; the smallest shape of each layout also runs once (on the
+        reserved page 0 only), so the whole step path is exercised before serving."""
+        steps = [prepare_step([SeqChunk([0] * t, s, [0] * math.ceil((s + t) / self.page_size))
+                               for t, s in batch], self.geometry)
+                 for batch in warmup_batches(self.geometry, decode, prefill)]
+        t0 = time.perf_counter()
+        for n, step in enumerate(steps, 1):
+            with self._lock:
+                took = self._programs.compile(step.key, self.params, self.kv_caches,
+                                              *self._abstract_inputs(step))
+            log.info("compiled step shape %d/%d %s in %.2fs", n, len(steps),
+                     "/".join(str(k) for k in step.key[:3]), took)
+        ran: set[str] = set()
+        for step in steps:
+            if step.key[0] not in ran:  # the first of each layout is its smallest
+                ran.add(step.key[0])
+                jax.block_until_ready(self._run(step))
+        log.info("warmup: %d step shapes compiled, %d run, in %.1fs", len(steps), len(ran),
+                 time.perf_counter() - t0)

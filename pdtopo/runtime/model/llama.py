@@ -3,8 +3,9 @@
 Parameters are a plain pytree (see `param_shapes`): weights are stored `[in, out]` so a layer is
 `x @ w`. `param_specs` gives each leaf's PartitionSpec over the "tp" mesh axis (Megatron style:
 q/k/v/gate/up column parallel, o/down row parallel; XLA inserts the all-reduce after the row
-parallel matmuls). `forward_hidden` runs the decoder over a flat token array; attention goes
-through a callable so the same code serves the paged runner (`pdtopo.runtime.engine.attention`) and
+parallel matmuls). The forward pass comes in pieces: `embed`, `decoder_layer` (one layer, its
+attention a callable), `final_norm` and `compute_logits`; `forward_hidden` chains them over
+every layer for a flat token array. Attention goes through a callable so the same code serves the paged runner (`pdtopo.runtime.engine.attention`) and
 the dense, unpaged reference (`dense_forward`) used by tests.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -164,31 +166,50 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """Token embeddings [T, hidden] of flat tokens [T]."""
+    return params["embed"][tokens]
+
+
+def decoder_layer(lp: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
+                  attention: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+                  ) -> jax.Array:
+    """One decoder layer over hidden states x [T, hidden] at `positions` [T]; `attention(q, k,
+    v)` is this layer's attention (q [T,H,D], k/v [T,KVH,D] -> [T,H,D])."""
+    t = x.shape[0]
+    inv_freq = rope_inv_freq(cfg)
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    o = attention(q, k, v).astype(x.dtype)
+    x = x + o.reshape(t, cfg.q_size) @ lp["wo"]
+    if cfg.o_bias:
+        x = x + lp["bo"]
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+
+
+def final_norm(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                    attention: AttentionFn) -> jax.Array:
-    """Decoder over flat tokens [T] at `positions` [T]; returns final-normed hidden [T, hidden]."""
-    t = tokens.shape[0]
-    inv_freq = rope_inv_freq(cfg)
-    x = params["embed"][tokens]
+    """Decoder over flat tokens [T] at `positions` [T]; returns final-normed hidden [T, hidden].
+    Every layer traced inline (the dense reference; the serving runner compiles one layer and
+    calls it per layer: pdtopo.runtime.engine.layer_programs)."""
+    x = embed(params, tokens)
     for i, lp in enumerate(params["layers"]):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-        if cfg.qkv_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        o = attention(i, q, k, v).astype(x.dtype)
-        x = x + o.reshape(t, cfg.q_size) @ lp["wo"]
-        if cfg.o_bias:
-            x = x + lp["bo"]
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        x = decoder_layer(lp, cfg, x, positions, partial(attention, i))
+    return final_norm(params, cfg, x)
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

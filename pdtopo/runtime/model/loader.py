@@ -1,14 +1,24 @@
-"""Load Llama / Qwen2 / Qwen3 weights from a local Hugging Face directory (safetensors).
+"""Load Llama / Qwen2 / Qwen3 weights from a local Hugging Face directory (safetensors), streamed
+straight into each device's shard.
 
 Flow: `load_params(cfg, mesh, dtype)` checks the checkpoint's tensors against config.json
-(`checkpoint.check_tensors`: names and shapes from the headers, nothing left over), then walks
-our parameter tree (`hf_name_map`), reads each tensor by its HF name, transposes linear weights
-from HF's `[out, in]` to our `[in, out]`, casts to `dtype` and places it on the mesh with its
-tensor-parallel sharding.
+(`checkpoint.check_tensors`: names and shapes from the headers, nothing left over), then for each
+parameter of our tree (`hf_name_map`) builds the sharded array with
+`jax.make_array_from_callback`: for every device this process holds, the callback slices that
+device's block out of a lazy view of the file (`TensorReader.view`, a memory map), transposes
+linear weights from HF's `[out, in]` to our `[in, out]` and casts to `dtype` in one copy of that
+block alone. KV heads repeated for tp (`llama.kv_replication`) are read by index from the
+model's heads; devices holding the same block (replicated parameters) share one copy. So host
+memory holds about one tensor's blocks at a time on top of what the devices keep, and a process of a multi-process instance reads only the blocks of its own devices. Checkpoints
+in float32, bfloat16 and float16 load alike (cast per block). Progress goes to the log every
+tenth of the tensors (`loading weights: x/y tensors`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +35,10 @@ from pdtopo.model_config.tensors import (
 )
 from pdtopo.runtime.model import llama
 
+log = logging.getLogger(__name__)
+
+KV_KEYS = ("wk", "wv", "bk", "bv")  # outputs are KV heads: repeated when tp > KV heads
+
 
 def _set(tree: Any, path: tuple, value: Any) -> None:
     for key in path[:-1]:
@@ -32,23 +46,71 @@ def _set(tree: Any, path: tuple, value: Any) -> None:
     tree[path[-1]] = value
 
 
-def load_host_params(cfg: ModelConfig, directory: str | Path | None = None) -> llama.Params:
-    """Parameters as float32/bf16 NumPy arrays in our layout (no device placement)."""
-    directory = Path(directory or cfg.path or "")
-    params: llama.Params = {"layers": [{} for _ in range(cfg.num_layers)]}
-    with TensorReader(directory, checkpoint_index(directory)) as reader:
-        check_tensors(cfg, reader)
-        for path, (name, transpose) in hf_name_map(cfg).items():
-            array = reader.read(name)
-            _set(params, path, np.ascontiguousarray(array.T) if transpose else array)
-    return params
+def _get(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def replicated_columns(cfg: ModelConfig, r: int) -> np.ndarray:
+    """For each output column of a KV projection with every KV head repeated `r` times, the
+    model's column it copies (`llama.replicate_kv_heads` as an index)."""
+    d = cfg.head_dim
+    cols = np.arange(cfg.num_kv_heads * r * d)
+    return (cols // d // r) * d + cols % d
+
+
+def read_block(source: np.ndarray, index: tuple, *, transpose: bool,
+               columns: np.ndarray | None, dtype: Any) -> np.ndarray:
+    """One device's block of a parameter: `index` (slices over our layout) applied to the
+    stored tensor `source` (HF layout: transposed for linear weights; output columns mapped
+    through `columns` when KV heads are repeated), cast to `dtype`."""
+    idx = list(index)
+    if columns is not None:
+        idx[-1] = columns[idx[-1]]
+    if transpose:
+        block = source[idx[1], idx[0]] if columns is None else source[idx[1]][:, idx[0]]
+        block = block.T
+    else:
+        block = source[tuple(idx)]
+    return np.array(block, dtype=dtype, order="C")
+
+
+def _once_per_block(read):
+    """`read` memoised by block: devices that hold the same block (a replicated parameter)
+    share one host copy instead of one each."""
+    blocks: dict[str, np.ndarray] = {}
+
+    def cached(index: tuple) -> np.ndarray:
+        key = repr(index)
+        if key not in blocks:
+            blocks[key] = read(index)
+        return blocks[key]
+
+    return cached
 
 
 def load_params(cfg: ModelConfig, mesh: Mesh, dtype: Any) -> llama.Params:
-    """Read the checkpoint of `cfg.path` and place it on `mesh` (tensor-parallel shardings;
-    KV heads repeated where the mesh has more tp devices than the model has KV heads)."""
+    """Read the checkpoint of `cfg.path` into arrays on `mesh` (tensor-parallel shardings; KV
+    heads repeated where the mesh has more tp devices than the model has KV heads)."""
+    directory = Path(cfg.path or "")
     tp = int(mesh.shape["tp"])
-    host = llama.replicate_kv_heads(load_host_params(cfg), cfg, llama.kv_replication(cfg, tp))
-    shardings = llama.param_shardings(llama.serving_config(cfg, tp), mesh)
-    return jax.tree.map(lambda a, s: jax.device_put(np.asarray(a).astype(dtype), s),
-                        host, shardings)
+    r = llama.kv_replication(cfg, tp)
+    serving = llama.serving_config(cfg, tp)
+    shapes, shardings = llama.param_shapes(serving), llama.param_shardings(serving, mesh)
+    columns = replicated_columns(cfg, r) if r > 1 else None
+    params: llama.Params = {"layers": [{} for _ in range(cfg.num_layers)]}
+    t0 = time.perf_counter()
+    with TensorReader(directory, checkpoint_index(directory)) as reader:
+        check_tensors(cfg, reader)
+        names = hf_name_map(cfg)
+        every = max(1, len(names) // 10)
+        for n, (path, (name, transpose)) in enumerate(names.items(), 1):
+            read = partial(read_block, reader.view(name), transpose=transpose,
+                           columns=columns if path[-1] in KV_KEYS else None, dtype=dtype)
+            _set(params, path, jax.make_array_from_callback(
+                tuple(_get(shapes, path)), _get(shardings, path), _once_per_block(read)))
+            if n % every == 0 or n == len(names):
+                log.info("loading weights: %d/%d tensors (%.1fs)", n, len(names),
+                         time.perf_counter() - t0)
+    return params
