@@ -14,15 +14,23 @@ import json
 import struct
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "BF16": None,  # ml_dtypes.bfloat16, imported on first use (it takes ~1 s: the CLI's
+                   # pre-flight reads headers only)
     "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
     "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
+
+
+def _numpy_dtype(code: str) -> np.dtype:
+    if code == "BF16":
+        import ml_dtypes  # deferred: slow to import, and only bfloat16 tensors need it
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return DTYPES[code]
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -63,7 +71,7 @@ class SafetensorsFile:
         if code not in DTYPES:
             raise ValueError(f"{self.path}: tensor {name!r} has dtype {code}, which pdtopo does "
                              f"not read (supported: {', '.join(DTYPES)})")
-        return DTYPES[code]
+        return _numpy_dtype(code)
 
     def view(self, name: str) -> np.ndarray:
         """The tensor as a read-only view of the file (bytes are read when indexed)."""

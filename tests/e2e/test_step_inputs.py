@@ -13,7 +13,7 @@ import pytest
 
 from pdtopo.config.compose import compose_config
 from pdtopo.runtime.engine.mesh import build_mesh
-from pdtopo.runtime.engine.model_runner import ModelRunner
+from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
 from pdtopo.runtime.engine.scheduler import Scheduler
 from pdtopo.runtime.engine.step_inputs import (
@@ -176,3 +176,33 @@ def test_engine_compiles_nothing_while_serving_a_mixed_workload():
     assert not baseline_problems(st), baseline_problems(st)
     assert runner.compiled_keys() == runner.shape_grid()
     assert compiles == [], f"{len(compiles)} XLA compilations while serving"
+
+
+def test_a_runner_warmed_without_decode_runs_one_token_chunks_flat():
+    """P warms no decode shapes, so a batch of one-token chunks (a prompt cached but for its
+    last token, a one-token prompt) runs in the flat layout: nothing new compiles, and the
+    logits equal the decode layout's."""
+    g = StepGeometry(page_size=4, max_pages=8, max_rows=4, max_prefill_tokens=16)
+    flat_only = StepGeometry(page_size=4, max_pages=8, max_rows=4, max_prefill_tokens=16,
+                             decode_layout=False)
+    chunks = [Chunk([5], 3, [1]), Chunk([6], 0, [2])]
+    assert prepare_step(chunks, g).key[0] == "decode"
+    assert prepare_step(chunks, flat_only).key[0] == "flat"
+    assert shape_grid(flat_only, decode=False) == shape_grid(g, decode=False)
+
+    cfg = compose_config(["model.num_layers=2", "engine.page_size=4", "engine.num_pages=16",
+                          "engine.max_model_len=32", "engine.max_running_requests=4",
+                          "engine.max_prefill_tokens=16"])
+    both = ModelRunner(cfg.model, cfg.engine, build_mesh(1))
+    prefill_only = ModelRunner(cfg.model, cfg.engine, build_mesh(1))
+    prefill_only.warmup(decode=False)
+    warmed = prefill_only.compiled_keys()
+    prompt = [SeqChunk([7, 8, 9], 0, [1]), SeqChunk([10, 11], 0, [2])]
+    step = [SeqChunk([12], 3, [1]), SeqChunk([13], 2, [2])]
+    for runner in (both, prefill_only):
+        runner.forward(prompt)
+    want = both.forward(step)
+    got = prefill_only.forward(step)
+    assert prefill_only.compiled_keys() == warmed
+    assert all(k[0] == "flat" for k in warmed)
+    assert jax.numpy.allclose(got, want, atol=1e-5)

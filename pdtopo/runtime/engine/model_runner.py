@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -275,7 +275,11 @@ class ModelRunner:
         to max_running_requests, prefill at every token bucket up to max_prefill_tokens; a
         role that never runs one kind skips it (`WARMUP_BY_ROLE`). Shapes compile from their
         inputs' shapes alone; the smallest shape of each layout also runs once (on the
-        reserved page 0 only), so the whole step path is exercised before serving."""
+        reserved page 0 only), so the whole step path is exercised before serving. Without
+        decode shapes every later batch runs in the flat layout (`StepGeometry.decode_layout`),
+        so one-token chunks (a prompt cached but for its last token) compile nothing either."""
+        if not decode:
+            self.geometry = replace(self.geometry, decode_layout=False)
         steps = [prepare_step([SeqChunk([0] * t, s, [0] * math.ceil((s + t) / self.page_size))
                                for t, s in batch], self.geometry)
                  for batch in warmup_batches(self.geometry, decode, prefill)]

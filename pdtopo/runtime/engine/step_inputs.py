@@ -88,6 +88,9 @@ class StepGeometry:
     max_prefill_tokens: int
     layout_kind: str = "paged"  # paged (decode + flat layouts, gather attention) | ragged
     block_tokens: int = CONTEXT_BLOCK_TOKENS
+    # False: every batch runs in the flat layout, one-token chunks included (a server that
+    # never decodes, P, then never compiles a decode shape for a batch of one-token chunks)
+    decode_layout: bool = True
 
     @property
     def block_pages(self) -> int:
@@ -136,7 +139,7 @@ class StepInputs:
 def choose_layout(lens: Sequence[int], geometry: StepGeometry) -> str:
     if geometry.layout_kind == "ragged":
         return "ragged"
-    return "decode" if all(n == 1 for n in lens) else "flat"
+    return "decode" if geometry.decode_layout and all(n == 1 for n in lens) else "flat"
 
 
 def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
