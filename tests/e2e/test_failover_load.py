@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
+from pdtopo.launcher.operate.health import router_workers_ready
 from tests.support.e2e import Deployment, deployment_overrides, port_block, wait_pools_baseline
-from tests.support.faults import kill9, wait_restarted, wait_serving
+from tests.support.faults import kill9, wait_restarted, wait_serving, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +136,10 @@ def kill_under_load(dep: Deployment, program: str) -> dict:
         answers, still_open = load.snapshot()
         figures = failover_figures(answers, still_open, t_kill, t_observed)
         figures["restart_s"] = round(wait_restarted(dep, program, old_pid, timeout=180), 1)
+        # whole again: the router lists all four workers healthy (the replacement put back)
+        wait_until(lambda: router_workers_ready(dep.proxy_url, 4), 120, interval=0.2,
+                   what="the router lists the replacement healthy")
+        figures["whole_again_s"] = round(time.monotonic() - t_kill, 1)
         wait_serving(dep.proxy_url, timeout=120)
         time.sleep(3)  # the router has the replacement back: it serves part of the load
         t_done = time.monotonic()
@@ -150,7 +155,8 @@ def kill_under_load(dep: Deployment, program: str) -> dict:
           f"{figures['before_p50_s']:.2f} s max {figures['before_max_s']:.2f} s; spanning the "
           f"kill ({figures['after_count']} requests in {OBSERVE_AFTER_S} s) max "
           f"{figures['after_max_s']:.2f} s; replacement healthy in "
-          f"{figures['restart_s']} s; while it warmed up and returned: "
+          f"{figures['restart_s']} s, whole again (in the router) {figures['whole_again_s']} s "
+          f"after the kill; while it warmed up and returned: "
           f"{figures['restart_phase_count']} answers, max {figures['restart_phase_max_s']:.2f} s")
     return figures
 
