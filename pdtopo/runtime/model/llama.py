@@ -5,8 +5,10 @@ Parameters are a plain pytree (see `param_shapes`): weights are stored `[in, out
 q/k/v/gate/up column parallel, o/down row parallel; XLA inserts the all-reduce after the row
 parallel matmuls). The forward pass comes in pieces: `embed`, `decoder_layer` (one layer, its
 attention a callable), `final_norm` and `compute_logits`; `forward_hidden` chains them over
-every layer for a flat token array. Attention goes through a callable so the same code serves the paged runner (`pdtopo.runtime.engine.attention`) and
-the dense, unpaged reference (`dense_forward`) used by tests.
+every layer for a flat token array (the serving runner instead compiles one layer and calls it
+per layer: pdtopo.runtime.engine.step_programs). Attention goes through a callable so the same
+code serves the paged runner (`pdtopo.runtime.engine.attention`) and the dense, unpaged
+reference (`dense_forward`) used by tests.
 """
 
 from __future__ import annotations
@@ -203,9 +205,8 @@ def final_norm(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                    attention: AttentionFn) -> jax.Array:
-    """Decoder over flat tokens [T] at `positions` [T]; returns final-normed hidden [T, hidden].
-    Every layer traced inline (the dense reference; the serving runner compiles one layer and
-    calls it per layer: pdtopo.runtime.engine.layer_programs)."""
+    """Decoder over flat tokens [T] at `positions` [T]; returns final-normed hidden [T, hidden],
+    every layer traced inline."""
     x = embed(params, tokens)
     for i, lp in enumerate(params["layers"]):
         x = decoder_layer(lp, cfg, x, positions, partial(attention, i))
