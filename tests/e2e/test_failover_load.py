@@ -135,7 +135,8 @@ def kill_under_load(dep: Deployment, program: str) -> dict:
         t_observed = time.monotonic()
         answers, still_open = load.snapshot()
         figures = failover_figures(answers, still_open, t_kill, t_observed)
-        figures["restart_s"] = round(wait_restarted(dep, program, old_pid, timeout=180), 1)
+        wait_restarted(dep, program, old_pid, timeout=180)
+        figures["restart_s"] = round(time.monotonic() - t_kill, 1)
         # whole again: the router lists all four workers healthy (the replacement put back)
         wait_until(lambda: router_workers_ready(dep.proxy_url, 4), 120, interval=0.2,
                    what="the router lists the replacement healthy")
@@ -154,9 +155,9 @@ def kill_under_load(dep: Deployment, program: str) -> dict:
           f"answers, {len(figures['failed'])} failed; before the kill p50 "
           f"{figures['before_p50_s']:.2f} s max {figures['before_max_s']:.2f} s; spanning the "
           f"kill ({figures['after_count']} requests in {OBSERVE_AFTER_S} s) max "
-          f"{figures['after_max_s']:.2f} s; replacement healthy in "
-          f"{figures['restart_s']} s, whole again (in the router) {figures['whole_again_s']} s "
-          f"after the kill; while it warmed up and returned: "
+          f"{figures['after_max_s']:.2f} s; replacement healthy "
+          f"{figures['restart_s']} s and whole again (in the router) {figures['whole_again_s']} "
+          f"s after the kill; while it warmed up and returned: "
           f"{figures['restart_phase_count']} answers, max {figures['restart_phase_max_s']:.2f} s")
     return figures
 
