@@ -120,6 +120,7 @@ class ModelRunner:
         self._programs = StepPrograms(self.config, mesh, self.attention_impl,
                                       self.geometry.block_pages, self.kv_sharding)
         self._lock = threading.Lock()  # forward is single-owner; the lock guards misuse
+        self._warmed = False  # after warmup, compiling a new shape is worth a warning
         log.info("ModelRunner: %s tp=%d dtype=%s kv_dtype=%s pages=%d x %d attention=%s%s",
                  self.config.name, self.tp, self.dtype, self.kv_dtype, self.num_pages,
                  self.page_size, self.attention_impl,
@@ -249,6 +250,10 @@ class ModelRunner:
     def _run(self, step: StepInputs) -> jax.Array:
         inputs = self._device_inputs(step)
         with self._lock:
+            if self._warmed and not self._programs.has(step.key):
+                log.warning("compiling step shape %s while serving: not warmed (a kind of "
+                            "step this role's warmup skips, or a batch larger than the engine "
+                            "settings allow)", "/".join(str(k) for k in step.key[:3]))
             logits, self.kv_caches = self._programs.run(step.key, self.params, self.kv_caches,
                                                         *inputs)
         return logits
@@ -297,3 +302,4 @@ class ModelRunner:
                 jax.block_until_ready(self._run(step))
         log.info("warmup: %d step shapes compiled, %d run, in %.1fs", len(steps), len(ran),
                  time.perf_counter() - t0)
+        self._warmed = True

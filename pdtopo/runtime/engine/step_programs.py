@@ -100,6 +100,9 @@ class StepPrograms:
     def keys(self) -> set[StepKey]:
         return set(self._compiled_layer)
 
+    def has(self, key: StepKey) -> bool:
+        return key in self._compiled_layer
+
     def compile(self, key: StepKey, params: llama.Params, caches: list, tokens, positions, md,
                 last_idx) -> float:
         """Compile the programs of step shape `key` from the inputs' shapes (arrays or
