@@ -132,10 +132,6 @@ class TensorReader:
         except KeyError as e:
             raise KeyError(f"{path}: cannot read tensor {name!r} listed in the index: {e}") from e
 
-    def read(self, name: str) -> np.ndarray:
-        """The whole tensor, read into memory."""
-        return np.array(self.view(name))
-
     def __enter__(self) -> TensorReader:
         return self
 
@@ -148,7 +144,8 @@ class TensorReader:
         self._open.clear()
 
 
-def _get(tree: Any, path: tuple) -> Any:
+def tree_get(tree: Any, path: tuple) -> Any:
+    """The leaf at `path` (a tuple of keys) of a parameter tree."""
     for key in path:
         tree = tree[key]
     return tree
@@ -167,7 +164,7 @@ def check_tensors(cfg: ModelConfig, reader: TensorReader) -> None:
             "implement")
     shapes = param_shapes(cfg)
     for path, (name, transpose) in hf_name_map(cfg).items():
-        ours = tuple(_get(shapes, path))
+        ours = tuple(tree_get(shapes, path))
         expected = ours[::-1] if transpose else ours  # HF stores linear weights [out, in]
         shape, file = reader.shape(name)
         if shape != expected:

@@ -111,6 +111,19 @@ def _greedy_pd(p_sched, d_sched, batch: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def _greedy_fresh_pd(cfg, tok, batch: list[list[int]]) -> list[list[int]]:
+    """`_greedy_pd` through a new P/D scheduler pair of `cfg`, started and stopped here."""
+    p_sched, _ = _scheduler(cfg, "prefill", tok)
+    d_sched, _ = _scheduler(cfg, "decode", tok)
+    p_sched.start()
+    d_sched.start()
+    try:
+        return _greedy_pd(p_sched, d_sched, batch)
+    finally:
+        p_sched.stop()
+        d_sched.stop()
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_checkpoint_matches_hf_colocated_and_pd(tmp_path, case):
     directory, model = build(case, tmp_path)
@@ -136,15 +149,7 @@ def test_checkpoint_matches_hf_colocated_and_pd(tmp_path, case):
     finally:
         colocated.stop()
 
-    p_sched, _ = _scheduler(cfg, "prefill", tok)
-    d_sched, _ = _scheduler(cfg, "decode", tok)
-    p_sched.start()
-    d_sched.start()
-    try:
-        assert _greedy_pd(p_sched, d_sched, batch) == [r.tokens for r in refs]
-    finally:
-        p_sched.stop()
-        d_sched.stop()
+    assert _greedy_fresh_pd(cfg, tok, batch) == [r.tokens for r in refs]
 
 
 def test_tensor_parallel_qwen3_matches_hf(tmp_path):
@@ -266,15 +271,7 @@ def test_bfloat16_checkpoint_serves_hf_bfloat16_tokens(tmp_path):
         got = _greedy_colocated(colocated, batch)
     finally:
         colocated.stop()
-    p_sched, _ = _scheduler(cfg, "prefill", tok)
-    d_sched, _ = _scheduler(cfg, "decode", tok)
-    p_sched.start()
-    d_sched.start()
-    try:
-        got_pd = _greedy_pd(p_sched, d_sched, batch)
-    finally:
-        p_sched.stop()
-        d_sched.stop()
+    got_pd = _greedy_fresh_pd(cfg, tok, batch)
     for ours, ours_pd, ref, n in zip(got, got_pd, refs, checked, strict=True):
         assert ours[:n] == ref.tokens[:n]
         assert ours_pd[:n] == ref.tokens[:n]

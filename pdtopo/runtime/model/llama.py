@@ -104,19 +104,24 @@ def init_params_numpy(cfg: ModelConfig, seed: int | None = None) -> Params:
     return params
 
 
+KV_KEYS = ("wk", "wv", "bk", "bv")  # parameters whose outputs are KV heads
+
+
+def kv_replica_columns(cfg: ModelConfig, r: int) -> np.ndarray:
+    """For each output column of a KV projection with every KV head repeated `r` times, the
+    model's column it copies."""
+    d = cfg.head_dim
+    cols = np.arange(cfg.num_kv_heads * r * d)
+    return (cols // d // r) * d + cols % d
+
+
 def replicate_kv_heads(params: Params, cfg: ModelConfig, r: int) -> Params:
     """Host parameters of `cfg` with every KV head repeated `r` times (k/v projections and
     biases; per-dim k norms are shared), for `serving_config(cfg, tp)`. r == 1: unchanged."""
     if r == 1:
         return params
-    kv, d = cfg.num_kv_heads, cfg.head_dim
-
-    def repeat(a: np.ndarray) -> np.ndarray:
-        a = np.asarray(a)
-        lead = a.shape[:-1]
-        return np.repeat(a.reshape(*lead, kv, d), r, axis=-2).reshape(*lead, kv * r * d)
-
-    layers = [{k: repeat(v) if k in ("wk", "wv", "bk", "bv") else v for k, v in lp.items()}
+    cols = kv_replica_columns(cfg, r)
+    layers = [{k: np.asarray(v)[..., cols] if k in KV_KEYS else v for k, v in lp.items()}
               for lp in params["layers"]]
     return {**params, "layers": layers}
 

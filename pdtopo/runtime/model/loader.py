@@ -8,9 +8,10 @@ parameter of our tree (`hf_name_map`) builds the sharded array with
 device's block out of a lazy view of the file (`TensorReader.view`, a memory map), transposes
 linear weights from HF's `[out, in]` to our `[in, out]` and casts to `dtype` in one copy of that
 block alone. KV heads repeated for tp (`llama.kv_replication`) are read by index from the
-model's heads; devices holding the same block (replicated parameters) share one copy. So host
-memory holds about one tensor's blocks at a time on top of what the devices keep, and a process of a multi-process instance reads only the blocks of its own devices. Checkpoints
-in float32, bfloat16 and float16 load alike (cast per block). Progress goes to the log every
+model's heads (`llama.kv_replica_columns`); devices holding the same block (replicated
+parameters) share one copy. So host memory holds about one tensor's blocks at a time on top of
+what the devices keep, and a process of a multi-process instance reads only the blocks of its
+own devices. Checkpoints in float32, bfloat16 and float16 load alike (cast per block). Progress goes to the log every
 tenth of the tensors (`loading weights: x/y tensors`).
 """
 
@@ -32,32 +33,17 @@ from pdtopo.model_config.tensors import (
     check_tensors,
     checkpoint_index,
     hf_name_map,
+    tree_get,
 )
 from pdtopo.runtime.model import llama
 
 log = logging.getLogger(__name__)
-
-KV_KEYS = ("wk", "wv", "bk", "bv")  # outputs are KV heads: repeated when tp > KV heads
 
 
 def _set(tree: Any, path: tuple, value: Any) -> None:
     for key in path[:-1]:
         tree = tree[key]
     tree[path[-1]] = value
-
-
-def _get(tree: Any, path: tuple) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def replicated_columns(cfg: ModelConfig, r: int) -> np.ndarray:
-    """For each output column of a KV projection with every KV head repeated `r` times, the
-    model's column it copies (`llama.replicate_kv_heads` as an index)."""
-    d = cfg.head_dim
-    cols = np.arange(cfg.num_kv_heads * r * d)
-    return (cols // d // r) * d + cols % d
 
 
 def read_block(source: np.ndarray, index: tuple, *, transpose: bool,
@@ -98,7 +84,7 @@ def load_params(cfg: ModelConfig, mesh: Mesh, dtype: Any) -> llama.Params:
     r = llama.kv_replication(cfg, tp)
     serving = llama.serving_config(cfg, tp)
     shapes, shardings = llama.param_shapes(serving), llama.param_shardings(serving, mesh)
-    columns = replicated_columns(cfg, r) if r > 1 else None
+    columns = llama.kv_replica_columns(cfg, r) if r > 1 else None
     params: llama.Params = {"layers": [{} for _ in range(cfg.num_layers)]}
     t0 = time.perf_counter()
     with TensorReader(directory, checkpoint_index(directory)) as reader:
@@ -107,9 +93,9 @@ def load_params(cfg: ModelConfig, mesh: Mesh, dtype: Any) -> llama.Params:
         every = max(1, len(names) // 10)
         for n, (path, (name, transpose)) in enumerate(names.items(), 1):
             read = partial(read_block, reader.view(name), transpose=transpose,
-                           columns=columns if path[-1] in KV_KEYS else None, dtype=dtype)
+                           columns=columns if path[-1] in llama.KV_KEYS else None, dtype=dtype)
             _set(params, path, jax.make_array_from_callback(
-                tuple(_get(shapes, path)), _get(shardings, path), _once_per_block(read)))
+                tuple(tree_get(shapes, path)), tree_get(shardings, path), _once_per_block(read)))
             if n % every == 0 or n == len(names):
                 log.info("loading weights: %d/%d tensors (%.1fs)", n, len(names),
                          time.perf_counter() - t0)
