@@ -56,12 +56,20 @@ async def fake_app(scope, receive, send):
 @pytest.fixture(scope="module")
 def fake_url():
     with serve_in_thread(fake_app, lifespan="off") as port:
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        # The process's first streamed request pays one-off costs (lazy imports, first
+        # connection: ~40 ms here); pay them before the timed tests.
+        run_load(url, [BenchRequest(1, input_ids=[5])], _settings(num_requests=1))
+        yield url
 
 
 def _settings(**kw) -> BenchSettings:
     base = {"progress": False, "warmup_requests": 0, "seed": 3}
     return BenchSettings.with_defaults({**base, **kw})
+
+
+def _within(stat: dict, q: str, scripted_ms: float, *, below: float, above: float) -> None:
+    assert scripted_ms - below <= stat[q] <= scripted_ms + above, (q, scripted_ms, stat)
 
 
 def test_percentiles_and_throughput_match_script(fake_url):
@@ -72,10 +80,16 @@ def test_percentiles_and_throughput_match_script(fake_url):
     results, duration = run_load(fake_url, reqs, s)
     st = summarize(results, duration, s.slo)
     assert st["requests"] == {"total": n, "completed": n, "failed": 0}
+    # The server never answers early, so each scripted time is a floor; a loaded CI machine
+    # only adds delay, and the tail (p90, p99) gets more slack above than the median does.
+    e2e_ms = (TTFT_S + (TOKENS - 1) * ITL_S) * 1e3
     for q in ("p50", "p90", "p99"):
-        assert st["ttft_ms"][q] == pytest.approx(TTFT_S * 1e3, abs=15), st["ttft_ms"]
-        assert st["itl_ms"][q] == pytest.approx(ITL_S * 1e3, abs=6 if q != "p99" else 12)
-        assert st["e2e_ms"][q] == pytest.approx((TTFT_S + (TOKENS - 1) * ITL_S) * 1e3, abs=25)
+        above = 15 if q == "p50" else 40
+        _within(st["ttft_ms"], q, TTFT_S * 1e3, below=2, above=above)
+        _within(st["itl_ms"], q, ITL_S * 1e3, below=6, above=6 if q == "p50" else 20)
+        _within(st["e2e_ms"], q, e2e_ms, below=2, above=25 if q == "p50" else 50)
+    for name in ("ttft_ms", "itl_ms", "e2e_ms"):
+        assert st[name]["p50"] <= st[name]["p90"] <= st[name]["p99"], st[name]
     assert st["itl_ms"]["count"] == n * (TOKENS - 1)
     assert st["tpot_ms"]["p50"] == pytest.approx(ITL_S * 1e3, abs=3)
     # last request arrives at (n-1)/rate and takes TTFT + (T-1) * ITL
