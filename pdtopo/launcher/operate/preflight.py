@@ -4,7 +4,9 @@ platform and the host's ports.
 The planner is pure and never reads the model; `check_model(cfg, plan)` does, once per
 `pdtopo launch` / `render`, after the plan is expanded and before supervisord starts:
   1. the model config (`model_config_from_cfg`: the `model:` group, and config.json when
-     `model.path` is set), refusing every unsupported feature by key and value;
+     `model.path` is set; a packaged file is fetched and a GGUF file converted first, with
+     progress in the log: `pdtopo.model_config.sources`), refusing every unsupported feature by key and
+     value;
   2. the checkpoint's tensors against that config (safetensors headers only: names, shapes,
      nothing left over);
   3. every serving process's tensor-parallel size against the model's head and MLP sizes;
@@ -32,6 +34,8 @@ from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.plan.expand import Plan
 from pdtopo.model_config.errors import CheckpointError
 from pdtopo.model_config.shapes import check_tp
+from pdtopo.model_config.sources.package_fetch import FetchError
+from pdtopo.model_config.sources.resolve import source_path
 from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
 from pdtopo.model_config.tensors import check_checkpoint
 from pdtopo.ports import port_in_use
@@ -55,6 +59,10 @@ def _model_config(cfg: DictConfig, path: str | None) -> ModelConfig:
                              e.value, e.message) from e
         raise ModelError("model.path", path, f"{e.where}: {e.key}={e.value!r}: {e.message}") from e
     except FileNotFoundError as e:
+        raise ModelError("model.path", path, str(e)) from e
+    except FetchError as e:
+        raise ModelError("model.package", path, str(e)) from e
+    except ImportError as e:  # an optional reader (gguf) not installed
         raise ModelError("model.path", path, str(e)) from e
     except (KeyError, ValueError) as e:
         raise ModelError("model", OmegaConf.select(cfg, "model.name"),
@@ -94,10 +102,15 @@ def check_model(cfg: DictConfig, plan: Plan, *, strict: bool = True) -> list[str
     """Validate the model for `plan` (see module docstring); returns warnings."""
     if not any(p.role in SERVING_ROLES for p in plan.processes):
         return []  # this host runs no model (bootstrap / proxy only)
-    path = OmegaConf.select(cfg, "model.path", default=None)
+    group = OmegaConf.to_container(cfg.model, resolve=True)
+    try:
+        path = source_path(group, fetch=False)  # where a packaged file lives once fetched
+    except ValueError as e:
+        raise ModelError("model.package", group.get("package"), str(e)) from e
     if path and not strict and not Path(str(path)).exists():
-        return [f"model.path={str(path)!r} does not exist on this machine: the checkpoint was "
-                "not checked (pdtopo launch checks it where the programs run)"]
+        key = "model.path" if OmegaConf.select(cfg, "model.path") else "model.package"
+        return [f"{key}: {str(path)!r} does not exist on this machine: the checkpoint was "
+                "not checked (pdtopo launch fetches and checks it where the programs run)"]
     model = _model_config(cfg, path)
     if model.path:
         try:
