@@ -146,6 +146,32 @@ def hf_greedy(model, prompt: list[int], n: int) -> HFReference:
                        min_margin=float((top2[:, 1] - top2[:, 0]).min()), step_logits=chosen)
 
 
+def hf_greedy_cached(model, prompt: list[int], n: int) -> HFReference:
+    """`hf_greedy` for a real-sized model: a greedy loop over HF's KV cache (EOS does not stop
+    it), then one forward over the whole sequence for the logits and margins, which must pick
+    the same tokens."""
+    import inspect
+
+    import torch
+
+    # transformers renames `past_key_values` to `cache` (the old name warns from 5.2x)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
+    tokens: list[int] = []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            tokens.append(int(torch.argmax(out.logits[0, -1])))
+            out = model(torch.tensor([[tokens[-1]]]), use_cache=True,
+                        **{name: out[name]})
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0].double().numpy()
+    chosen = logits[len(prompt) - 1:]
+    assert [int(t) for t in chosen.argmax(-1)] == tokens  # the cache changed no choice
+    top2 = np.sort(chosen, axis=-1)[:, -2:]
+    return HFReference(tokens=tokens, last_logits=chosen[0],
+                       min_margin=float((top2[:, 1] - top2[:, 0]).min()), step_logits=chosen)
+
+
 def prompts(seed: int, lengths: tuple[int, ...] = (5, 23, 41)) -> list[list[int]]:
     """Seeded prompts over the whole vocabulary (lengths across several 8-token pages)."""
     rng = np.random.default_rng(seed)
