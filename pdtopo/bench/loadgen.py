@@ -10,7 +10,10 @@ never raised, so one bad request cannot end a run. A rich progress bar shows com
 `run_conversations(url, conversations, settings)` sends a multiturn workload: conversations
 start at the arrival times, each sends its turns in order, a turn's prompt being the previous
 prompt + the answer's output ids + the new user message; a failed turn ends its conversation
-(the turns it never sent are recorded as `conversation_ended`).
+(the turns it never sent are recorded as `conversation_ended`). `run_chat(url, conversations,
+settings)` does the same with real text through `/v1/chat/completions`: a turn's messages are
+the conversation so far, the answers' text included; a token's arrival is its text delta, and
+the closing usage chunk gives exact counts.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import httpx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pdtopo.bench.settings import BenchSettings
-from pdtopo.bench.workload import BenchRequest, Conversation
+from pdtopo.bench.workload import BenchRequest, ChatConversation, Conversation
 
 
 @dataclass
@@ -44,6 +47,7 @@ class RequestResult:
     prompt_tokens: int | None = None         # as reported by the server
     cached_tokens: int | None = None         # prompt tokens served by a prefix cache (server)
     output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""                    # the answer's text (chat workload)
     timeline: dict[str, float] | None = None  # D's meta_info.pd_timeline (ms), PD servers only
     error: str | None = None                 # kind: http_503, timeout, connection, ...
     error_detail: str = ""
@@ -72,15 +76,53 @@ def arrival_offsets(n: int, settings: BenchSettings) -> list[float]:
     return out
 
 
-async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest,
-                      settings: BenchSettings, res: RequestResult) -> None:
+def _generate_chunk(res: RequestResult, chunk: dict, now: float) -> None:
+    """An sglang `/generate` stream chunk: cumulative `output_ids` (or a token count)."""
+    ids = chunk.get("output_ids")
+    meta = chunk.get("meta_info", {})
+    seen = len(res.token_times)
+    n = len(ids) if isinstance(ids, list) else int(meta.get("completion_tokens", seen))
+    res.token_times.extend([now] * max(0, n - seen))
+    if isinstance(ids, list):
+        res.output_ids = ids
+    pt, ct = meta.get("prompt_tokens"), meta.get("cached_tokens")
+    if isinstance(pt, int):
+        res.prompt_tokens = pt
+    if isinstance(ct, int):
+        res.cached_tokens = ct
+    if isinstance(meta.get("pd_timeline"), dict):
+        res.timeline = meta["pd_timeline"]
+
+
+def _chat_chunk(res: RequestResult, chunk: dict, now: float) -> None:
+    """An OpenAI chat stream chunk: a text delta (one per token as the server streams them);
+    the closing usage chunk gives the exact token counts."""
+    for choice in chunk.get("choices") or []:
+        content = (choice.get("delta") or {}).get("content")
+        if content:
+            res.token_times.append(now)
+            res.output_text += content
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        n = usage.get("completion_tokens")
+        if isinstance(n, int):  # text held back and sent together: the rest arrived now
+            res.token_times.extend([now] * max(0, n - len(res.token_times)))
+        if isinstance(usage.get("prompt_tokens"), int):
+            res.prompt_tokens = usage["prompt_tokens"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if isinstance(cached, int):
+            res.cached_tokens = cached
+
+
+async def _stream(client: httpx.AsyncClient, endpoint: str, body: dict, res: RequestResult,
+                  on_chunk) -> None:
+    """POST `body`, read the SSE stream, hand each chunk to `on_chunk(res, chunk, now)`."""
     res.start = time.perf_counter()
-    seen = 0
     try:
-        async with client.stream("POST", f"{url}/generate", json=req.body(settings)) as resp:
+        async with client.stream("POST", endpoint, json=body) as resp:
             if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                res.error, res.error_detail = f"http_{resp.status_code}", body[:300]
+                text = (await resp.aread()).decode(errors="replace")
+                res.error, res.error_detail = f"http_{resp.status_code}", text[:300]
                 return
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -100,22 +142,8 @@ async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest,
                     res.error = f"stream_error{f'_{code}' if code else ''}"
                     res.error_detail = json.dumps(err)[:300]
                     return
-                ids = chunk.get("output_ids")
-                meta = chunk.get("meta_info", {})
-                n = len(ids) if isinstance(ids, list) else \
-                    int(meta.get("completion_tokens", seen))
-                res.token_times.extend([now] * max(0, n - seen))
-                seen = max(seen, n)
-                if isinstance(ids, list):
-                    res.output_ids = ids
-                pt, ct = meta.get("prompt_tokens"), meta.get("cached_tokens")
-                if isinstance(pt, int):
-                    res.prompt_tokens = pt
-                if isinstance(ct, int):
-                    res.cached_tokens = ct
-                if isinstance(meta.get("pd_timeline"), dict):
-                    res.timeline = meta["pd_timeline"]
-        if seen == 0:
+                on_chunk(res, chunk, now)
+        if not res.token_times:
             res.error, res.error_detail = "no_tokens", "stream ended without output tokens"
     except httpx.TimeoutException as exc:
         res.error, res.error_detail = "timeout", repr(exc)[:300]
@@ -126,6 +154,17 @@ async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest,
         res.error, res.error_detail = type(exc).__name__.lower(), repr(exc)[:300]
     finally:
         res.end = time.perf_counter()
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest,
+                      settings: BenchSettings, res: RequestResult) -> None:
+    await _stream(client, f"{url}/generate", req.body(settings), res, _generate_chunk)
+
+
+def chat_body(messages: list[dict], output_len: int, settings: BenchSettings) -> dict:
+    return {"messages": messages, "max_tokens": output_len, "temperature": settings.temperature,
+            "ignore_eos": settings.ignore_eos, "stream": True,
+            "stream_options": {"include_usage": True}}
 
 
 @asynccontextmanager
@@ -158,9 +197,10 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def _send(client, url, req, settings, res) -> None:
+async def _send(client, url, req, settings, res, stream=None) -> None:
+    """`stream`: the coroutine to await instead of `req` to /generate (a chat turn)."""
     try:
-        await asyncio.wait_for(_stream_one(client, url, req, settings, res),
+        await asyncio.wait_for(stream or _stream_one(client, url, req, settings, res),
                                timeout=settings.timeout_s * 2)
     except asyncio.TimeoutError:
         res.error = "timeout"
@@ -237,6 +277,45 @@ async def run_conversations_async(url: str, conversations: list[Conversation],
 
         await _at_offsets(arrival_offsets(len(conversations), settings), None, converse)
     return results, _duration(results)
+
+
+async def run_chat_async(url: str, conversations: list[ChatConversation],
+                         settings: BenchSettings, *, progress: bool | None = None,
+                         api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    """Send a chat workload to `/v1/chat/completions`; each turn's messages are the
+    conversation so far (system, earlier user messages and the answers' text) plus its user
+    message. Results in (conversation, turn) order, tagged `turn<k>`."""
+    url = url.rstrip("/")
+    turns = settings.multiturn.turns
+    results = [RequestResult(c.index * turns + t, f"turn{t + 1}", None, c.output_lens[t])
+               for c in conversations for t in range(turns)]
+    sem = asyncio.Semaphore(settings.max_concurrency)
+    async with _session(settings, len(results), progress, api_key) as (client, advance):
+        async def converse(ci: int) -> None:
+            conv = conversations[ci]
+            messages = [{"role": "system", "content": conv.system}] if conv.system else []
+            for t in range(turns):
+                res = results[ci * turns + t]
+                if t and not results[ci * turns + t - 1].ok:
+                    res.error, res.error_detail = "conversation_ended", "an earlier turn failed"
+                    advance(False)
+                    continue
+                messages = [*messages, {"role": "user", "content": conv.turns[t]}]
+                body = chat_body(messages, conv.output_lens[t], settings)
+                async with sem:
+                    await _send(client, url, None, settings, res, stream=_stream(
+                        client, f"{url}/v1/chat/completions", body, res, _chat_chunk))
+                res.input_len = res.prompt_tokens
+                advance(res.ok)
+                messages = [*messages, {"role": "assistant", "content": res.output_text}]
+
+        await _at_offsets(arrival_offsets(len(conversations), settings), None, converse)
+    return results, _duration(results)
+
+
+def run_chat(url: str, conversations: list[ChatConversation], settings: BenchSettings,
+             **kw) -> tuple[list[RequestResult], float]:
+    return asyncio.run(run_chat_async(url, conversations, settings, **kw))
 
 
 def run_load(url: str, requests: list[BenchRequest], settings: BenchSettings,

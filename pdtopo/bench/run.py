@@ -15,9 +15,14 @@ from pathlib import Path
 import httpx
 
 from pdtopo.bench import stats
-from pdtopo.bench.loadgen import auth_headers, run_conversations, run_load
+from pdtopo.bench.loadgen import auth_headers, run_chat, run_conversations, run_load
 from pdtopo.bench.settings import BenchSettings
-from pdtopo.bench.workload import build_workload, multiturn, warmup_workload
+from pdtopo.bench.workload import (
+    build_workload,
+    chat_conversations,
+    multiturn,
+    warmup_workload,
+)
 
 
 def default_url(run_dir: Path) -> str:
@@ -58,9 +63,11 @@ def wait_serving(url: str, timeout_s: float = 120.0, poll_s: float = 0.25,
 def run_bench(url: str, settings: BenchSettings, *, workload=None, progress: bool | None = None,
               offsets: list[float] | None = None, api_key: str | None = None) -> dict:
     """`api_key`: the proxy's API key, sent as `Authorization: Bearer` (never recorded)."""
-    conversations = None
+    conversations = chats = None
     if workload is None and settings.workload == "multiturn":
         conversations = multiturn(settings)
+    elif workload is None and settings.workload == "chat":
+        chats = chat_conversations(settings)
     elif workload is None:
         workload = build_workload(settings)
     warm = warmup_workload(settings)
@@ -69,7 +76,9 @@ def run_bench(url: str, settings: BenchSettings, *, workload=None, progress: boo
                                          "request_rate": float("inf")})
         run_load(url, warm, warm_settings, progress=False, api_key=api_key)
     started = time.time()
-    if conversations is not None:
+    if chats is not None:
+        results, duration = run_chat(url, chats, settings, progress=progress, api_key=api_key)
+    elif conversations is not None:
         results, duration = run_conversations(url, conversations, settings, progress=progress,
                                               api_key=api_key)
     else:

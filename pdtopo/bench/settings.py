@@ -88,8 +88,9 @@ class BenchSettings:
 
     @property
     def num_workload_requests(self) -> int:
-        """Requests of the measured run: num_requests, or conversations x turns (multiturn)."""
-        if self.workload == "multiturn":
+        """Requests of the measured run: num_requests, or conversations x turns (multiturn,
+        chat)."""
+        if self.workload in ("multiturn", "chat"):
             return self.multiturn.conversations * self.multiturn.turns
         return self.num_requests
 

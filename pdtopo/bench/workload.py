@@ -10,6 +10,12 @@ length so the statistics can count tokens exactly.
 from one of `system_prompts` shared system prompts and has `turns` user messages; the load
 generator sends turn t+1 after turn t's answer, its prompt being the conversation so far (so a
 prefix cache can serve everything but the newest message).
+
+`chat_conversations(settings)` reads real text (`bench.workload: chat`): a JSONL of
+conversations, `{"system": str (optional), "turns": [str, ...]}` per line (`bench.dataset`, by
+default `CHAT_DATASET`, shipped with pdtopo), cycled to `multiturn.conversations` conversations
+of `multiturn.turns` turns; the load generator sends them to `/v1/chat/completions`, so the
+server's own tokenizer and chat template make the prompts.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from pathlib import Path
 
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.config.schema import TopologyError
+
+CHAT_DATASET = Path(__file__).parent / "data" / "chat_conversations.jsonl"
 
 
 @dataclass
@@ -58,6 +66,60 @@ class Conversation:
         return (history or list(self.system_ids)) + self.user_ids[turn]
 
 
+@dataclass
+class ChatConversation:
+    turns: list[str]                # user messages, one per turn
+    output_lens: list[int]          # answer length per turn
+    system: str | None = None
+    index: int = 0
+
+
+def _json_lines(path: Path) -> list[tuple[str, dict]]:
+    """(where, object) of every non-empty line; bad JSON is a `bench.dataset` error."""
+    if not path.is_file():
+        raise TopologyError("bench.dataset", str(path), "no such file")
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TopologyError("bench.dataset", where, f"invalid JSON: {exc}") from None
+        if not isinstance(item, dict):
+            raise TopologyError("bench.dataset", where, "each line must be a JSON object")
+        out.append((where, item))
+    return out
+
+
+def chat_conversations(settings: BenchSettings) -> list[ChatConversation]:
+    path = Path(settings.dataset or CHAT_DATASET).expanduser()
+    mt = settings.multiturn
+    read = []
+    for where, item in _json_lines(path):
+        turns, system = item.get("turns"), item.get("system")
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t
+                                                           for t in turns)):
+            raise TopologyError("bench.dataset", where, "'turns' must be a non-empty list of "
+                                                        "non-empty strings (user messages)")
+        if len(turns) < mt.turns:
+            raise TopologyError("bench.multiturn.turns", mt.turns,
+                                f"{where} has {len(turns)} turns only")
+        if system is not None and not isinstance(system, str):
+            raise TopologyError("bench.dataset", where, "'system' must be a string")
+        read.append((system, turns[:mt.turns]))
+    if not read:
+        raise TopologyError("bench.dataset", str(path), "holds no conversations")
+    rng = random.Random(settings.seed * 1_000_003 + 4099)
+    out = []
+    for c in range(mt.conversations):
+        system, turns = read[c % len(read)]
+        outs = _lengths(rng, mt.turns, settings.output_len, settings.output_len_range)
+        out.append(ChatConversation(turns=list(turns), output_lens=outs, system=system, index=c))
+    return out
+
+
 def multiturn(settings: BenchSettings) -> list[Conversation]:
     mt = settings.multiturn
     rng = random.Random(settings.seed * 1_000_003 + 31337)
@@ -93,19 +155,8 @@ def synthetic(settings: BenchSettings, n: int | None = None, *, seed_offset: int
 
 def load_jsonl(path: str | Path, settings: BenchSettings) -> list[BenchRequest]:
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise TopologyError("bench.dataset", str(path), "no such file")
     out: list[BenchRequest] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TopologyError("bench.dataset", where, f"invalid JSON: {exc}") from None
-        if not isinstance(item, dict):
-            raise TopologyError("bench.dataset", where, "each line must be a JSON object")
+    for where, item in _json_lines(path):
         olen = item.get("output_len", settings.output_len)
         if isinstance(olen, bool) or not isinstance(olen, int) or olen < 1:
             raise TopologyError("bench.dataset", where, f"output_len={olen!r}: expected int >= 1")

@@ -37,7 +37,7 @@ KERNEL_IMPLS = ("auto", "pallas", "xla")
 # the server threads `server.fault_inject_thread` can kill (pdtopo.runtime.worker_threads)
 FAULT_THREADS = ("scheduler", "side_channel", "kv_sweep", "bootstrap_keeper", "lockstep_control")
 ARRIVALS = ("poisson", "fixed")          # bench.arrival
-WORKLOADS = ("synthetic", "multiturn")   # bench.workload
+WORKLOADS = ("synthetic", "multiturn", "chat")   # bench.workload
 TUNE_KINDS = ("colocated", "dp", "pd")   # tune.kinds: the candidate families
 
 

@@ -5,7 +5,7 @@ ids equal on a text corpus (the chat workload shipped with the benchmarks), the 
 prompts equal `apply_chat_template`'s, and HF's 48 greedy tokens for 6 chat prompts on the
 colocated engine and through a P/D pair. Then `pdtopo launch model=smollm2` (1P1D, Rust
 router) answers "What is the capital of France?" with HF's answer, streamed and not, and through
-the OpenAI client.
+the OpenAI client, and `pdtopo bench` runs the shipped real-text chat workload through it.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import pytest
 from omegaconf import OmegaConf
 from safetensors.numpy import load_file
 
+from pdtopo.bench.workload import CHAT_DATASET
 from pdtopo.config.compose import compose_config
 from pdtopo.model_config.sources.resolve import local_model_path, source_path
 from pdtopo.runtime.model.tokenizer import load_tokenizer
-from tests.support.constants import REPO_ROOT
-from tests.support.e2e import Deployment, deployment_overrides, port_block
+from tests.support.e2e import Deployment, deployment_overrides, port_block, run_pdtopo
 from tests.support.engine_greedy import greedy_colocated, greedy_fresh_pd, scheduler_for
 from tests.support.hf_checkpoints import hf_greedy_cached
 
@@ -41,7 +41,7 @@ QUESTIONS = [
     "Who wrote Romeo and Juliet?",
 ]
 PARIS = "The capital of France is Paris."
-WORKLOAD = REPO_ROOT / "benchmarks" / "workloads" / "chat_smollm2.jsonl"
+WORKLOAD = CHAT_DATASET
 
 
 @pytest.fixture(scope="module")
@@ -145,5 +145,18 @@ def test_launch_smollm2_answers_through_the_proxy(tmp_path, smollm2):
         out = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0,
                                              messages=_chat(QUESTIONS[0]), max_tokens=32)
         assert out.choices[0].message.content == PARIS
+
+        metrics = tmp_path / "chat_bench.json"
+        res = run_pdtopo(["bench", dep.proxy_url, "--output", str(metrics),
+                          "bench.workload=chat", "bench.multiturn.conversations=3",
+                          "bench.multiturn.turns=2", "bench.output_len=8",
+                          "bench.warmup_requests=0", "bench.progress=false"], timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        st = json.loads(metrics.read_text())["stats"]
+        assert st["requests"] == {"total": 6, "completed": 6, "failed": 0}
+        assert st["output_tokens"] == 6 * 8
+        # a second turn's prompt holds the first turn and its 8-token answer
+        turn1, turn2 = st["by_tag"]["turn1"], st["by_tag"]["turn2"]
+        assert turn2["input_tokens"] > turn1["input_tokens"] + 3 * 8
     finally:
         dep.stop_and_check()

@@ -30,7 +30,7 @@ def test_default_config_section_is_valid():
     ({"token_id_range": [5, 5]}, "bench.token_id_range"),
     ({"slo": {"ttft": 3}}, "bench.slo"),
     ({"nope": 1}, "bench.nope"),
-    ({"workload": "chat"}, "bench.workload"),
+    ({"workload": "chatty"}, "bench.workload"),
     ({"workload": "multiturn", "dataset": "/tmp/x.jsonl"}, "bench.workload"),
     ({"multiturn": {"turns": 0}}, "bench.multiturn.turns"),
     ({"multiturn": {"rounds": 3}}, "bench.multiturn"),
