@@ -32,7 +32,8 @@ measurement (the gateway's policy branches, per-worker requests).
 
 The model is a random-initialised Llama of 8 layers and hidden size 256 (bigger than the test
 model) so that a 1,000-token prefill costs what it would relative to the fixed HTTP and router
-overheads on this CPU; the greedy tokens do not matter here, only the work.
+overheads on this CPU; the greedy tokens do not matter here, only the work. `--model smollm2`
+serves SmolLM2-135M-Instruct instead (30 layers, real weights; the workload stays token ids).
 """
 
 from __future__ import annotations
@@ -55,15 +56,26 @@ from pdtopo.bench.loadgen import run_conversations
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.stats import percentile, summarize, ttft
 from pdtopo.bench.workload import multiturn
+from pdtopo.config.compose import compose_config
 from pdtopo.launcher.operate.top import parse as parse_metrics
+from pdtopo.model_config.spec import model_config_from_cfg
 from pdtopo.ports import free_port_block
 
 PAGE = 16
-MODEL = ["model.hidden_size=256", "model.intermediate_size=512", "model.num_layers=8",
-         "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32"]
+RANDOM8 = ["model.hidden_size=256", "model.intermediate_size=512", "model.num_layers=8",
+           "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32"]
+MODEL = list(RANDOM8)  # --model NAME: the model group instead (e.g. smollm2)
 ENGINE = ["engine.max_model_len=2048", "engine.max_prefill_tokens=2048",
           "engine.num_pages=1024", "engine.max_running_requests=16"]
-PAGE_BYTES = 2 * 8 * 4 * 32 * PAGE * 4  # K and V, layers, kv heads, head_dim, tokens, float32
+
+
+def page_bytes(model_overrides: list[str]) -> int:
+    """Bytes of one KV page (K and V, every layer, float32) of the model served."""
+    m = model_config_from_cfg(compose_config(model_overrides).model)
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * PAGE * 4
+
+
+PAGE_BYTES = 2 * 8 * 4 * 32 * PAGE * 4  # RANDOM8's; main() sets it for --model
 # the router's series printed by --router-metrics (which branch of the policy chose a worker,
 # per-worker load and requests)
 ROUTER_SERIES = ("policy", "branch", "worker_load", "worker_requests", "cache")
@@ -188,7 +200,13 @@ def main() -> None:
                     "(policy branches, per-worker requests and load)")
     ap.add_argument("--only", default=None, help="run only the configurations whose name "
                     "matches this regular expression (ratios print where both sides ran)")
+    ap.add_argument("--model", default=None, help="serve this model group instead of the "
+                    "random 8-layer Llama (e.g. smollm2: real weights, 30 layers)")
     args = ap.parse_args()
+    global PAGE_BYTES
+    if args.model:
+        MODEL[:] = [f"model={args.model}"]
+        PAGE_BYTES = page_bytes(MODEL)
     wanted = re.compile(args.only) if args.only else None
 
     def chosen(name: str) -> bool:
