@@ -160,3 +160,16 @@ def test_launch_smollm2_answers_through_the_proxy(tmp_path, smollm2):
         assert turn2["input_tokens"] > turn1["input_tokens"] + 3 * 8
     finally:
         dep.stop_and_check()
+
+
+def test_a_tp_that_cannot_split_smollm2_is_refused_at_launch(tmp_path):
+    """9 heads and 3 KV heads: tp 2 can neither split nor repeat them; refused before any
+    program starts (the pre-flight reads the converted model from the cache)."""
+    run = tmp_path / "run"
+    res = run_pdtopo(["launch", "model=smollm2", "topology=colocated_cpu",
+                      "topology.accelerator=cpu-4", "topology.colocated.chips_per_instance=2",
+                      "topology.colocated.mesh.tp=2", f"hydra.run.dir={run}"], timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "model error in topology.colocated.mesh.tp" in res.stderr
+    assert "model.num_kv_heads=3 (smollm2-135m-instruct)" in res.stderr
+    assert not (run / "supervisord.pid").exists()
