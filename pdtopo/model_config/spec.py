@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from pdtopo.model_config.architectures import ARCH_TRAITS, ARCHITECTURES
 from pdtopo.model_config.hf import eos_list, hf_model_fields
 from pdtopo.model_config.rope import RopeConfig, rope_from_fields
-from pdtopo.model_config.sources.resolve import local_model_path
+from pdtopo.model_config.sources.resolve import is_gguf, local_model_path, source_path
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ def model_config_from_cfg(model_cfg: DictConfig | Mapping[str, Any]) -> ModelCon
     d = {k: v for k, v in _as_dict(model_cfg).items() if v is not None}  # null = unset
     local = local_model_path(d)  # fetches / converts on first use (model_config.sources)
     if local:
+        source = source_path(d, fetch=False)
+        if is_gguf(source) and not d.get("name"):  # not the cache directory's hashed name
+            d["name"] = Path(str(source)).stem
         return ModelConfig(**hf_model_fields(local, d))
     missing = [k for k in ("name", "architecture", "vocab_size", "hidden_size",
                            "intermediate_size", "num_layers", "num_heads", "head_dim")
