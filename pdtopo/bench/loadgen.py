@@ -13,7 +13,8 @@ prompt + the answer's output ids + the new user message; a failed turn ends its 
 (the turns it never sent are recorded as `conversation_ended`). `run_chat(url, conversations,
 settings)` does the same with real text through `/v1/chat/completions`: a turn's messages are
 the conversation so far, the answers' text included; a token's arrival is its text delta, and
-the closing usage chunk gives exact counts.
+the closing usage chunk gives exact counts (tokens a server joined into one delta count as
+arriving at the end, with no gap: ITL there is an estimate, TTFT and E2E are exact).
 """
 
 from __future__ import annotations
@@ -197,11 +198,10 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def _send(client, url, req, settings, res, stream=None) -> None:
-    """`stream`: the coroutine to await instead of `req` to /generate (a chat turn)."""
+async def _send(stream, settings: BenchSettings, res: RequestResult) -> None:
+    """Await one request's `stream` coroutine, bounded by twice the request timeout."""
     try:
-        await asyncio.wait_for(stream or _stream_one(client, url, req, settings, res),
-                               timeout=settings.timeout_s * 2)
+        await asyncio.wait_for(stream, timeout=settings.timeout_s * 2)
     except asyncio.TimeoutError:
         res.error = "timeout"
         res.end = time.perf_counter()
@@ -239,7 +239,8 @@ async def run_load_async(url: str, requests: list[BenchRequest], settings: Bench
     async with _session(settings, len(requests), progress, api_key) as (client, advance):
         async def one(i: int) -> None:
             try:
-                await _send(client, url, requests[i], settings, results[i])
+                await _send(_stream_one(client, url, requests[i], settings, results[i]),
+                            settings, results[i])
             finally:
                 sem.release()
                 advance(results[i].ok)
@@ -271,7 +272,7 @@ async def run_conversations_async(url: str, conversations: list[Conversation],
                 res.input_len = len(prompt)
                 req = BenchRequest(output_len=conv.output_lens[t], input_ids=prompt, tag=res.tag)
                 async with sem:
-                    await _send(client, url, req, settings, res)
+                    await _send(_stream_one(client, url, req, settings, res), settings, res)
                 advance(res.ok)
                 history = prompt + list(res.output_ids)
 
@@ -303,8 +304,8 @@ async def run_chat_async(url: str, conversations: list[ChatConversation],
                 messages = [*messages, {"role": "user", "content": conv.turns[t]}]
                 body = chat_body(messages, conv.output_lens[t], settings)
                 async with sem:
-                    await _send(client, url, None, settings, res, stream=_stream(
-                        client, f"{url}/v1/chat/completions", body, res, _chat_chunk))
+                    await _send(_stream(client, f"{url}/v1/chat/completions", body, res,
+                                        _chat_chunk), settings, res)
                 res.input_len = res.prompt_tokens
                 advance(res.ok)
                 messages = [*messages, {"role": "assistant", "content": res.output_text}]

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 
 from pdtopo.config.compose import compose_config
 from pdtopo.model_config.errors import CheckpointError
-from pdtopo.model_config.sources.gguf_cache import converted_dir
+from pdtopo.model_config.sources.gguf_cache import cache_path, converted_dir
 from pdtopo.model_config.sources.package_fetch import FetchError, PackagedFile, fetch_packaged_file
 from pdtopo.model_config.spec import model_config_from_cfg
 from pdtopo.runtime.model.tokenizer import load_tokenizer
@@ -116,6 +116,8 @@ REFUSALS = [
      "rope_freqs.weight"),
     ("pre_tokenizer", {"tokenizer.ggml.pre": "chatglm-bpe"}, {}, "tokenizer.ggml.pre",
      "chatglm-bpe"),
+    ("llama_bias", {}, {"blk.0.attn_q.bias": np.zeros(64, np.float32)}, "tensor",
+     "blk.0.attn_q.bias"),
 ]
 
 
@@ -157,26 +159,48 @@ def test_launch_preflight_refuses_an_unsupported_gguf(tmp_path):
     assert not (run / "supervisord.pid").exists()
 
 
+def test_an_unwritable_cache_is_a_model_error_naming_the_key(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, layers=1)
+    res = run_pdtopo(["launch", "topology=colocated_cpu", "model=hf_local", f"model.path={path}",
+                      "model.cache_dir=/dev/null/cache", f"hydra.run.dir={tmp_path / 'run'}"],
+                     timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "model error in model.cache_dir" in res.stderr and "/dev/null/cache" in res.stderr
+
+
 def test_conversion_is_cached_once_and_redone_for_a_changed_file(tmp_path):
     path, cache = tmp_path / "m.gguf", tmp_path / "cache"
     write_tiny_gguf(path, layers=1)
     dirs: list[Path] = []
-    threads = [threading.Thread(target=lambda: dirs.append(converted_dir(path, cache)))
-               for _ in range(3)]
+    failures: list[BaseException] = []
+
+    def convert() -> None:
+        try:
+            dirs.append(converted_dir(path, cache))
+        except BaseException as e:  # noqa: BLE001 - reported by the assert below
+            failures.append(e)
+
+    threads = [threading.Thread(target=convert) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(set(dirs)) == 1
+    assert failures == [] and len(dirs) == 3 and len(set(dirs)) == 1
     (first,) = set(dirs)
     assert [p.name for p in (cache / "gguf").iterdir() if p.is_dir()] == [first.name]
     stamp = (first / "config.json").stat().st_mtime_ns
     assert converted_dir(path, cache) == first
     assert (first / "config.json").stat().st_mtime_ns == stamp  # reused, not rewritten
     write_tiny_gguf(path, layers=1, seed=9)  # a different file at the same path
+    killed = cache / "gguf" / (path.stem + "-0.tmp-1")  # not this file's key: stays
+    killed.mkdir()
     os.utime(path, ns=(stamp + 10**9, stamp + 10**9))
+    stale = second_tmp = cache / "gguf" / f"{cache_path(path, cache).name}.tmp-99999"
+    second_tmp.mkdir(parents=True)  # as a conversion killed mid-way leaves it
     second = converted_dir(path, cache)
     assert second != first and (second / "config.json").is_file()
+    assert not stale.exists() and killed.exists()
 
 
 def _wheel(index: Path, member: str, payload: bytes) -> None:

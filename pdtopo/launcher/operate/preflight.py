@@ -64,6 +64,9 @@ def _model_config(cfg: DictConfig, path: str | None) -> ModelConfig:
         raise ModelError("model.package", path, str(e)) from e
     except ImportError as e:  # an optional reader (gguf) not installed
         raise ModelError("model.path", path, str(e)) from e
+    except OSError as e:  # the cache not writable, a full disk while converting
+        raise ModelError("model.cache_dir", OmegaConf.select(cfg, "model.cache_dir"),
+                         str(e)) from e
     except (KeyError, ValueError) as e:
         raise ModelError("model", OmegaConf.select(cfg, "model.name"),
                          str(e.args[0] if isinstance(e, KeyError) else e)) from e
@@ -107,6 +110,7 @@ def check_model(cfg: DictConfig, plan: Plan, *, strict: bool = True) -> list[str
         path = source_path(group, fetch=False)  # where a packaged file lives once fetched
     except ValueError as e:
         raise ModelError("model.package", group.get("package"), str(e)) from e
+    # a local GGUF file is converted here even for a dry run (render): it is on this machine
     if path and not strict and not Path(str(path)).exists():
         key = "model.path" if OmegaConf.select(cfg, "model.path") else "model.package"
         return [f"{key}: {str(path)!r} does not exist on this machine: the checkpoint was "

@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     try:
         source = source_path(group)
         local = local_model_path(group)
-    except (FetchError, CheckpointError, FileNotFoundError, ImportError, ValueError) as e:
+    except (FetchError, CheckpointError, OSError, ImportError, ValueError) as e:
         print(f"pdtopo fetch: {e}", file=sys.stderr)
         return EXIT_FAILED
     if local is None:

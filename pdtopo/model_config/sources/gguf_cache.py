@@ -10,7 +10,8 @@ chat template), then the weights dequantized to float32, one safetensors file pe
 one for the embeddings, final norm and output) with model.safetensors.index.json, so memory holds
 one layer at a time; progress goes to the log (`converting NAME.gguf: layer x/y`). The work
 happens in a temporary directory renamed into place, under a file lock, so processes starting
-together convert once and never see half a directory.
+together convert once and never see half a directory (what a killed conversion left is removed
+by the next). The float32 copy takes 4 bytes per parameter: 4-8x the size of a quantized file.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def cache_path(gguf_path: str | Path, cache_dir: str | Path) -> Path:
 
 @contextmanager
 def _locked(lock_file: Path):
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"model.cache_dir: cannot create {lock_file.parent}: {e}") from e
     with open(lock_file, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -127,6 +131,8 @@ def converted_dir(gguf_path: str | Path, cache_dir: str | Path) -> Path:
     with _locked(target.with_name(target.name + ".lock")):
         if (target / SOURCE_FILE).is_file():  # another process converted it meanwhile
             return target
+        for stale in target.parent.glob(f"{target.name}.tmp-*"):  # left by a killed process
+            shutil.rmtree(stale, ignore_errors=True)
         log.info("converting %s (once) into %s", path.name, target)
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)

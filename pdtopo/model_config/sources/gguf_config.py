@@ -83,7 +83,10 @@ def gguf_refusals(file: GgufFile) -> list[CheckpointError]:
                                      f"not a supported quantization type (supported: "
                                      f"{', '.join(SUPPORTED_TYPES)})"))
     for name in file.tensors:
-        if hf_tensor_name(name) is None:
+        if arch == "llama" and name.endswith(".bias"):
+            found.append(CheckpointError(where, "tensor", name, "attention biases in a llama "
+                                         "GGUF file are not supported"))
+        elif hf_tensor_name(name) is None:
             found.append(CheckpointError(where, "tensor", name,
                                          "not a tensor of a Llama/Qwen2/Qwen3 decoder pdtopo "
                                          "implements (rope_freqs: RoPE scaling; others: "

