@@ -36,7 +36,7 @@ from pdtopo.model_config.sources.gguf_weights import hf_tensors, layer_of
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # bump when the conversion's output changes: caches convert again
 SOURCE_FILE = "source.json"
 INDEX_FILE = "model.safetensors.index.json"
 
