@@ -4,7 +4,8 @@ GGUF) against HF transformers loading the same GGUF file: every tensor equal, th
 ids equal on a text corpus (the chat workload shipped with the benchmarks), the chat template's
 prompts equal `apply_chat_template`'s, and HF's 48 greedy tokens for 6 chat prompts on the
 colocated engine and through a P/D pair. Then `pdtopo launch model=smollm2` (1P1D, Rust
-router) answers "What is the capital of France?" with HF's answer, streamed and not, and through
+router) gives the same 48 tokens for the 6 prompts through the proxy, and answers "What is the
+capital of France?" with HF's answer, streamed and not, and through
 the OpenAI client, and `pdtopo bench` runs the shipped real-text chat workload through it.
 """
 
@@ -23,7 +24,7 @@ from pdtopo.bench.workload import CHAT_DATASET
 from pdtopo.config.compose import compose_config
 from pdtopo.model_config.sources.resolve import local_model_path, source_path
 from pdtopo.runtime.model.tokenizer import load_tokenizer
-from tests.support.e2e import Deployment, deployment_overrides, port_block, run_pdtopo
+from tests.support.e2e import Deployment, deployment_overrides, generate, port_block, run_pdtopo
 from tests.support.engine_greedy import greedy_colocated, greedy_fresh_pd, scheduler_for
 from tests.support.hf_checkpoints import hf_greedy_cached
 
@@ -98,13 +99,21 @@ def test_weights_tokenizer_and_chat_prompts_equal_transformers(smollm2):
                                        return_dict=False))
 
 
-def test_greedy_chat_tokens_equal_transformers_colocated_and_pd(smollm2):
-    cfg, hf_model, hf_tok = smollm2
+@pytest.fixture(scope="module")
+def chat_refs(smollm2):
+    """The 6 chat prompts (transformers' ids) and HF's 48 greedy tokens for each."""
+    _, hf_model, hf_tok = smollm2
     batch = [list(hf_tok.apply_chat_template(_chat(q), tokenize=True, add_generation_prompt=True,
                                              return_dict=False)) for q in QUESTIONS]
     refs = [hf_greedy_cached(hf_model, p, NEW_TOKENS) for p in batch]
     assert min(r.min_margin for r in refs) > MARGIN  # no near-ties
     assert hf_tok.decode(refs[0].tokens).startswith(PARIS)
+    return batch, refs
+
+
+def test_greedy_chat_tokens_equal_transformers_colocated_and_pd(smollm2, chat_refs):
+    cfg = smollm2[0]
+    batch, refs = chat_refs
     tok = load_tokenizer(cfg.model)
     colocated, _ = scheduler_for(cfg, "colocated", tok)
     colocated.start()
@@ -127,13 +136,17 @@ def _streamed_chat(url: str, body: dict) -> str:
     return text
 
 
-def test_launch_smollm2_answers_through_the_proxy(tmp_path, smollm2):
+def test_launch_smollm2_answers_through_the_proxy(tmp_path, chat_refs):
     import openai
 
+    batch, refs = chat_refs
     dep = Deployment(tmp_path / "run", ["model=smollm2", *ENGINE,
                                         *deployment_overrides(port_block(41))])
     dep.launch()
     try:
+        sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        outs = generate(dep.proxy_url, {"input_ids": batch, "sampling_params": sampling})
+        assert [o["output_ids"] for o in outs] == [r.tokens for r in refs]  # HF's, via 1P1D
         body = {"model": "smollm2-135m-instruct", "messages": _chat(QUESTIONS[0]),
                 "max_tokens": 32, "temperature": 0}
         resp = httpx.post(f"{dep.proxy_url}/v1/chat/completions", json=body, timeout=120)
