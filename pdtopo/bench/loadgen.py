@@ -249,11 +249,48 @@ async def run_load_async(url: str, requests: list[BenchRequest], settings: Bench
     return results, _duration(results)
 
 
-async def run_conversations_async(url: str, conversations: list[Conversation],
-                                  settings: BenchSettings, *, progress: bool | None = None,
-                                  api_key: str | None = None
-                                  ) -> tuple[list[RequestResult], float]:
-    """Send a multiturn workload; results in (conversation, turn) order, tagged `turn<k>`."""
+class _IdTurns:
+    """Turns of a token-id conversation to /generate: each prompt is the conversation so far
+    (previous prompt and answer ids) plus the turn's user ids."""
+
+    def __init__(self, conv: Conversation):
+        self.conv, self.history = conv, []
+
+    def stream(self, client, url: str, t: int, res: RequestResult, settings: BenchSettings):
+        prompt = self.conv.prompt(self.history, t)
+        res.input_len = len(prompt)
+        self.history = prompt
+        req = BenchRequest(output_len=self.conv.output_lens[t], input_ids=prompt, tag=res.tag)
+        return _stream_one(client, url, req, settings, res)
+
+    def done(self, res: RequestResult) -> None:
+        self.history = self.history + list(res.output_ids)
+
+
+class _ChatTurns:
+    """Turns of a real-text conversation to /v1/chat/completions: each turn's messages are the
+    conversation so far (system, earlier user messages, the answers' text) plus its own."""
+
+    def __init__(self, conv: ChatConversation):
+        self.conv = conv
+        self.messages = [{"role": "system", "content": conv.system}] if conv.system else []
+
+    def stream(self, client, url: str, t: int, res: RequestResult, settings: BenchSettings):
+        self.messages = [*self.messages, {"role": "user", "content": self.conv.turns[t]}]
+        body = chat_body(self.messages, self.conv.output_lens[t], settings)
+        return _stream(client, f"{url}/v1/chat/completions", body, res, _chat_chunk)
+
+    def done(self, res: RequestResult) -> None:
+        res.input_len = res.prompt_tokens
+        self.messages = [*self.messages, {"role": "assistant", "content": res.output_text}]
+
+
+async def _play_conversations(url: str, conversations: list, turns_of, settings: BenchSettings,
+                              progress: bool | None, api_key: str | None
+                              ) -> tuple[list[RequestResult], float]:
+    """Conversations start at the arrival offsets; each sends its turns in order (`turns_of`
+    builds a conversation's turns); a failed turn ends its conversation. Results in
+    (conversation, turn) order, tagged `turn<k>`."""
     url = url.rstrip("/")
     turns = settings.multiturn.turns
     results = [RequestResult(c.index * turns + t, f"turn{t + 1}", None, c.output_lens[t])
@@ -261,57 +298,36 @@ async def run_conversations_async(url: str, conversations: list[Conversation],
     sem = asyncio.Semaphore(settings.max_concurrency)
     async with _session(settings, len(results), progress, api_key) as (client, advance):
         async def converse(ci: int) -> None:
-            conv, history = conversations[ci], []
+            play = turns_of(conversations[ci])
             for t in range(turns):
                 res = results[ci * turns + t]
                 if t and not results[ci * turns + t - 1].ok:
                     res.error, res.error_detail = "conversation_ended", "an earlier turn failed"
                     advance(False)
                     continue
-                prompt = conv.prompt(history, t)
-                res.input_len = len(prompt)
-                req = BenchRequest(output_len=conv.output_lens[t], input_ids=prompt, tag=res.tag)
                 async with sem:
-                    await _send(_stream_one(client, url, req, settings, res), settings, res)
+                    await _send(play.stream(client, url, t, res, settings), settings, res)
+                play.done(res)
                 advance(res.ok)
-                history = prompt + list(res.output_ids)
 
         await _at_offsets(arrival_offsets(len(conversations), settings), None, converse)
     return results, _duration(results)
+
+
+async def run_conversations_async(url: str, conversations: list[Conversation],
+                                  settings: BenchSettings, *, progress: bool | None = None,
+                                  api_key: str | None = None
+                                  ) -> tuple[list[RequestResult], float]:
+    """Send a multiturn workload of token ids to /generate."""
+    return await _play_conversations(url, conversations, _IdTurns, settings, progress, api_key)
 
 
 async def run_chat_async(url: str, conversations: list[ChatConversation],
                          settings: BenchSettings, *, progress: bool | None = None,
                          api_key: str | None = None) -> tuple[list[RequestResult], float]:
-    """Send a chat workload to `/v1/chat/completions`; each turn's messages are the
-    conversation so far (system, earlier user messages and the answers' text) plus its user
-    message. Results in (conversation, turn) order, tagged `turn<k>`."""
-    url = url.rstrip("/")
-    turns = settings.multiturn.turns
-    results = [RequestResult(c.index * turns + t, f"turn{t + 1}", None, c.output_lens[t])
-               for c in conversations for t in range(turns)]
-    sem = asyncio.Semaphore(settings.max_concurrency)
-    async with _session(settings, len(results), progress, api_key) as (client, advance):
-        async def converse(ci: int) -> None:
-            conv = conversations[ci]
-            messages = [{"role": "system", "content": conv.system}] if conv.system else []
-            for t in range(turns):
-                res = results[ci * turns + t]
-                if t and not results[ci * turns + t - 1].ok:
-                    res.error, res.error_detail = "conversation_ended", "an earlier turn failed"
-                    advance(False)
-                    continue
-                messages = [*messages, {"role": "user", "content": conv.turns[t]}]
-                body = chat_body(messages, conv.output_lens[t], settings)
-                async with sem:
-                    await _send(_stream(client, f"{url}/v1/chat/completions", body, res,
-                                        _chat_chunk), settings, res)
-                res.input_len = res.prompt_tokens
-                advance(res.ok)
-                messages = [*messages, {"role": "assistant", "content": res.output_text}]
-
-        await _at_offsets(arrival_offsets(len(conversations), settings), None, converse)
-    return results, _duration(results)
+    """Send a chat workload of real text to `/v1/chat/completions`."""
+    return await _play_conversations(url, conversations, _ChatTurns, settings, progress,
+                                     api_key)
 
 
 def run_chat(url: str, conversations: list[ChatConversation], settings: BenchSettings,

@@ -26,7 +26,7 @@ from pdtopo.model_config.sources.package_fetch import FetchError, PackagedFile, 
 from pdtopo.model_config.spec import model_config_from_cfg
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from tests.support.e2e import run_pdtopo
-from tests.support.engine_greedy import greedy_colocated, greedy_fresh_pd, scheduler_for
+from tests.support.engine_greedy import greedy_fresh_colocated, greedy_fresh_pd
 from tests.support.gguf_files import CORPUS, VOCAB, write_tiny_gguf
 from tests.support.hf_checkpoints import hf_greedy
 
@@ -98,12 +98,7 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch, tied):
     batch = [tok.encode(t) for t in CORPUS[:3]]
     refs = [hf_greedy(hf_model, p, NEW_TOKENS) for p in batch]
     assert min(r.min_margin for r in refs) > ATOL  # no near-ties
-    colocated, _ = scheduler_for(cfg, "colocated", tok)
-    colocated.start()
-    try:
-        assert greedy_colocated(colocated, batch, NEW_TOKENS) == [r.tokens for r in refs]
-    finally:
-        colocated.stop()
+    assert greedy_fresh_colocated(cfg, tok, batch, NEW_TOKENS) == [r.tokens for r in refs]
     assert greedy_fresh_pd(cfg, tok, batch, NEW_TOKENS) == [r.tokens for r in refs]
 
 

@@ -86,12 +86,7 @@ def test_checkpoint_matches_hf_colocated_and_pd(tmp_path, case):
         pages = list(range(1, 1 + -(-len(prompt) // 8)))
         logits = np.asarray(runner.forward([SeqChunk(prompt, 0, pages)]))[0]
         np.testing.assert_allclose(logits, ref.last_logits, rtol=0, atol=ATOL)
-    colocated.start()
-    try:
-        assert greedy_colocated(colocated, batch, NEW_TOKENS) == [r.tokens for r in refs]
-    finally:
-        colocated.stop()
-
+    assert greedy_colocated(colocated, batch, NEW_TOKENS) == [r.tokens for r in refs]
     assert greedy_fresh_pd(cfg, tok, batch, NEW_TOKENS) == [r.tokens for r in refs]
 
 
@@ -209,11 +204,7 @@ def test_bfloat16_checkpoint_serves_hf_bfloat16_tokens(tmp_path):
         return int(close[0]) if close.size else NEW_TOKENS
 
     checked = [sure(r) for r in refs]
-    colocated.start()
-    try:
-        got = greedy_colocated(colocated, batch, NEW_TOKENS)
-    finally:
-        colocated.stop()
+    got = greedy_colocated(colocated, batch, NEW_TOKENS)
     got_pd = greedy_fresh_pd(cfg, tok, batch, NEW_TOKENS)
     for ours, ours_pd, ref, n in zip(got, got_pd, refs, checked, strict=True):
         assert ours[:n] == ref.tokens[:n]

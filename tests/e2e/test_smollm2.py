@@ -25,7 +25,7 @@ from pdtopo.config.compose import compose_config
 from pdtopo.model_config.sources.resolve import local_model_path, source_path
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from tests.support.e2e import Deployment, deployment_overrides, generate, port_block, run_pdtopo
-from tests.support.engine_greedy import greedy_colocated, greedy_fresh_pd, scheduler_for
+from tests.support.engine_greedy import greedy_fresh_colocated, greedy_fresh_pd
 from tests.support.hf_checkpoints import hf_greedy_cached
 
 pytestmark = pytest.mark.slow  # a 30-layer model: HF loads it, engines compile it
@@ -115,12 +115,7 @@ def test_greedy_chat_tokens_equal_transformers_colocated_and_pd(smollm2, chat_re
     cfg = smollm2[0]
     batch, refs = chat_refs
     tok = load_tokenizer(cfg.model)
-    colocated, _ = scheduler_for(cfg, "colocated", tok)
-    colocated.start()
-    try:
-        assert greedy_colocated(colocated, batch, NEW_TOKENS) == [r.tokens for r in refs]
-    finally:
-        colocated.stop()
+    assert greedy_fresh_colocated(cfg, tok, batch, NEW_TOKENS) == [r.tokens for r in refs]
     assert greedy_fresh_pd(cfg, tok, batch, NEW_TOKENS) == [r.tokens for r in refs]
 
 

@@ -2,7 +2,9 @@
 side channel; no HTTP): colocated, and through a P/D pair, for comparing against a reference.
 
     scheduler_for(cfg, role, tok, tp)          -> (scheduler, runner), not started
-    greedy_colocated(sched, batch, n)          -> each prompt's n greedy tokens (EOS ignored)
+    greedy_colocated(sched, batch, n)          -> each prompt's n greedy tokens (EOS ignored);
+                                                  starts and stops `sched`
+    greedy_fresh_colocated(cfg, tok, batch, n) -> the same through a new colocated scheduler
     greedy_fresh_pd(cfg, tok, batch, n)        -> the same through a new P/D pair of `cfg`
 """
 
@@ -30,10 +32,20 @@ def greedy_req(prompt: list[int], n: int) -> Req:
 
 
 def greedy_colocated(sched, batch: list[list[int]], n: int) -> list[list[int]]:
-    reqs = [greedy_req(p, n) for p in batch]
-    for r in reqs:
-        sched.submit(r)
-    return [list(r.sink.collect(120)[0]) for r in reqs]
+    """Start `sched` (not started yet), run the batch through it, stop it."""
+    sched.start()
+    try:
+        reqs = [greedy_req(p, n) for p in batch]
+        for r in reqs:
+            sched.submit(r)
+        return [list(r.sink.collect(120)[0]) for r in reqs]
+    finally:
+        sched.stop()
+
+
+def greedy_fresh_colocated(cfg, tok, batch: list[list[int]], n: int) -> list[list[int]]:
+    """`greedy_colocated` through a new colocated scheduler of `cfg`."""
+    return greedy_colocated(scheduler_for(cfg, "colocated", tok)[0], batch, n)
 
 
 def greedy_pd(p_sched, d_sched, batch: list[list[int]], n: int) -> list[list[int]]:

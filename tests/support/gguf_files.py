@@ -17,11 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from tests.support.hf_checkpoints import CHAT_SPECIALS, train_byte_bpe
+
 VOCAB = 320
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+SPECIALS = CHAT_SPECIALS  # <|endoftext|>, <|im_start|>, <|im_end|>: ids 0, 1, 2
 CORPUS = [
     "What is the capital of France? The capital of France is Paris.",
     "the quick brown fox jumps over the lazy dog; hello world, how are you today?",
@@ -47,18 +49,6 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
         .reshape(w.shape)
 
-
-def train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=VOCAB, show_progress=False, special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
-    return tok
 
 
 def _hf_weights(arch: str, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -103,7 +93,7 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", hidden: int = 64, heads:
 
     head_dim = hidden // heads
     weights = _hf_weights(arch, hidden, heads, kv_heads, head_dim, inter, layers, tied, seed)
-    tok = train_tokenizer()
+    tok = train_byte_bpe(CORPUS, SPECIALS, VOCAB)
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     merges = [" ".join(m) if isinstance(m, list) else m
               for m in json.loads(tok.to_str())["model"]["merges"]]

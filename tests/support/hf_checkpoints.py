@@ -194,18 +194,26 @@ CHAT_CORPUS = [
 ] * 8
 
 
-def save_chat_tokenizer(directory: Path, template: str | dict[str, str] = SMOL_TEMPLATE):
-    """Write a transformers-saved tokenizer into `directory`; returns the HF tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+def train_byte_bpe(corpus: list[str], specials: list[str], vocab: int = VOCAB):
+    """A byte-level BPE of exactly `vocab` ids trained on `corpus`, `specials` first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CHAT_CORPUS, trainers.BpeTrainer(
-        vocab_size=VOCAB, show_progress=False, special_tokens=CHAT_SPECIALS,
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab, show_progress=False, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    assert tok.get_vocab_size() == vocab, tok.get_vocab_size()
+    return tok
+
+
+def save_chat_tokenizer(directory: Path, template: str | dict[str, str] = SMOL_TEMPLATE):
+    """Write a transformers-saved tokenizer into `directory`; returns the HF tokenizer."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_byte_bpe(CHAT_CORPUS, CHAT_SPECIALS)
     # BOS from the post-processor: a chat must not get it unless its template writes it
     tok.post_processor = processors.TemplateProcessing(
         single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])

@@ -1,9 +1,11 @@
 """An ASGI app served for real in the test process: uvicorn on a free 127.0.0.1 port
-(pdtopo.ports) in a daemon thread, for tests of HTTP clients and middleware."""
+(pdtopo.ports) in a daemon thread, for tests of HTTP clients and middleware; `json_body`
+reads a raw ASGI app's JSON request."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -33,3 +35,13 @@ def serve_in_thread(app: Any, **config: Any) -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+async def json_body(receive: Any) -> Any:
+    """The JSON body of the request a raw ASGI app is handling (all its chunks)."""
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return json.loads(body)

@@ -17,7 +17,7 @@ from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.stats import summarize
 from pdtopo.bench.workload import CHAT_DATASET, chat_conversations
 from pdtopo.config.schema import TopologyError
-from tests.support.serving import serve_in_thread
+from tests.support.serving import json_body, serve_in_thread
 
 SEEN: list[dict] = []
 
@@ -25,13 +25,7 @@ SEEN: list[dict] = []
 async def fake_chat(scope, receive, send):
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
-    req = json.loads(body)
+    req = await json_body(receive)
     SEEN.append(req)
     if "fail" in req["messages"][-1]["content"]:
         await send({"type": "http.response.start", "status": 503, "headers": []})

@@ -18,7 +18,7 @@ from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.stats import summarize
 from pdtopo.bench.workload import BenchRequest
 from pdtopo.ports import free_port
-from tests.support.serving import serve_in_thread
+from tests.support.serving import json_body, serve_in_thread
 
 TTFT_S, ITL_S, TOKENS = 0.10, 0.02, 10
 
@@ -26,13 +26,7 @@ TTFT_S, ITL_S, TOKENS = 0.10, 0.02, 10
 async def fake_app(scope, receive, send):
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
-    req = json.loads(body)
+    req = await json_body(receive)
     if req["input_ids"][0] == 1:
         await send({"type": "http.response.start", "status": 503,
                     "headers": [(b"content-type", b"application/json")]})
