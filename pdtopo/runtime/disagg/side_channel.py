@@ -442,9 +442,10 @@ class SideChannel:
     def _do_send(self, peer: Peer, msg: m.Message) -> None:
         data = m.encode(msg)
         if len(data) > self.max_bytes:
-            self._count("send_errors")
+            # logged before counted: whoever sees the count can read why
             log.error("%s: not sending %s for room %s: %d bytes > side_channel_max_bytes=%d",
                       self.name, msg.type, msg.room, len(data), self.max_bytes)
+            self._count("send_errors")
             return
         try:
             if peer.kind == "router":
