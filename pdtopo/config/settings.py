@@ -32,7 +32,7 @@ from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("auto", "pallas", "gather")
+ATTENTION_IMPLS = ("auto", "pallas", "pallas_interpret", "gather")
 KERNEL_IMPLS = ("auto", "pallas", "xla")
 # the server threads `server.fault_inject_thread` can kill (pdtopo.runtime.worker_threads)
 FAULT_THREADS = ("scheduler", "side_channel", "kv_sweep", "bootstrap_keeper", "lockstep_control")

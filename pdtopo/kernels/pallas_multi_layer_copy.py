@@ -35,6 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pdtopo.kernels import interpret_support
 from pdtopo.kernels import runs as _runs
 
 # Largest DMA chunk (pages). Longer runs become several chunks; the kernel has one static-size
@@ -134,6 +135,8 @@ def _interpret_params(interpret, backend: str, sharded: bool):
     """None -> interpret off TPU; True -> InterpretParams suited to the layout; else as given."""
     if interpret is None:
         interpret = backend != "tpu"
+    if interpret is not False:
+        interpret_support.install()
     if interpret is True:
         # "eager" DMAs under shard_map: the default "on_wait" hangs with several devices.
         return pltpu.InterpretParams(dma_execution_mode="eager" if sharded else "on_wait")

@@ -15,10 +15,12 @@ its own heads and its own pool shard with no communication.
 
 Implementations (`engine.attention_impl`):
   - "gather": XLA gathers of context blocks and an online softmax; runs everywhere.
-  - "pallas": JAX's TPU ragged paged attention kernel
-    (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), "ragged" layout. It wants K and
-    V interleaved in one array, so the used pages are gathered into a compact array first.
-  - "auto": pallas on TPU when head_dim % 128 == 0, gather otherwise (CPU: always gather).
+  - "pallas": pdtopo's Pallas TPU ragged paged-attention kernel
+    (`pdtopo.kernels.ragged_attention`), "ragged" layout. It reads the K and V pools in place,
+    page by page, by DMA: nothing is copied out of the pool before the call.
+  - "pallas_interpret": the same kernel and call, run by JAX's TPU interpreter on any backend
+    (the CPU here): how CI executes what TPU serving runs. Slow; for tests.
+  - "auto": pallas on TPU, gather elsewhere.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pdtopo.kernels import interpret_support, ragged_attention
 from pdtopo.runtime.engine.step_inputs import AttentionMetadata
 
-IMPLS = ("auto", "pallas", "gather")
+IMPLS = ("auto", "pallas", "pallas_interpret", "gather")
+KERNEL_IMPLS = ("pallas", "pallas_interpret")  # the ragged kernel, on a TPU or interpreted
 _MASKED = -1e30  # finite so that fully masked (padding) rows give no NaN
+Q_BLOCK = 16  # query rows per grid step of the ragged kernel (fewer when the step is shorter)
 
 
 def resolve_impl(impl: str, head_dim: int, platform: str | None = None) -> str:
@@ -42,10 +48,11 @@ def resolve_impl(impl: str, head_dim: int, platform: str | None = None) -> str:
         raise ValueError(f"engine.attention_impl={impl!r}: choose one of {', '.join(IMPLS)}")
     platform = platform or jax.default_backend()
     if impl == "auto":
-        return "pallas" if platform == "tpu" and head_dim % 128 == 0 else "gather"
+        return "pallas" if platform == "tpu" else "gather"
     if impl == "pallas" and platform != "tpu":
         raise ValueError(f"engine.attention_impl=pallas needs a TPU (this backend: {platform}); "
-                         "use auto or gather")
+                         "use auto or gather, or pallas_interpret to run the TPU kernel "
+                         "interpreted (slow)")
     return impl
 
 
@@ -135,33 +142,26 @@ def flat_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     return out.reshape(t, h, d).astype(q.dtype)
 
 
-def ragged_kernel_inputs(k_pool: jax.Array, v_pool: jax.Array, md: AttentionMetadata):
-    """(kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) in the ragged kernel's format:
-    the sequences' pages gathered into one compact array with K and V interleaved on heads."""
-    b, npages = md.page_table.shape
-    _, page_size, kvh, d = k_pool.shape
-    flat = md.page_table.reshape(-1)
-    kv = jnp.stack([k_pool[flat], v_pool[flat]], axis=3)  # [B*P, ps, kvh, 2, d]
-    kv = kv.reshape(b * npages, page_size, 2 * kvh, d)
-    page_indices = jnp.arange(b * npages, dtype=jnp.int32).reshape(b, npages)
-    return kv, md.kv_lens, page_indices, md.cu_q_lens, md.num_seqs
-
-
 def pallas_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                     md: AttentionMetadata, sm_scale: float) -> jax.Array:
-    # deferred: the TPU kernel module is loaded only when attention_impl=pallas is chosen
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
-
-    kv, kv_lens, page_indices, cu_q_lens, num_seqs = ragged_kernel_inputs(k_pool, v_pool, md)
-    return ragged_paged_attention(q.astype(kv.dtype), kv, kv_lens, page_indices, cu_q_lens,
-                                  num_seqs, sm_scale=sm_scale).astype(q.dtype)
+                     md: AttentionMetadata, sm_scale: float, block_pages: int,
+                     interpret: bool) -> jax.Array:
+    """The ragged kernel over the pools in place (`md` in the ragged layout)."""
+    t = q.shape[0]
+    if interpret:
+        interpret_support.install()
+    return ragged_attention.ragged_paged_attention(
+        q, k_pool, v_pool, md.kv_lens, md.page_table, md.cu_q_lens, md.num_seqs,
+        sm_scale=sm_scale, q_block=min(Q_BLOCK, t), pages_per_block=block_pages,
+        # "eager" DMAs: the interpreter's default ("on_wait") can hang under shard_map
+        interpret=pltpu.InterpretParams(dma_execution_mode="eager") if interpret else False)
 
 
 def _local(q, k, v, k_pool, v_pool, md, *, impl: str, layout: str, block_pages: int,
            sm_scale: float):
     k_pool, v_pool = write_kv(k, v, k_pool, v_pool, md)
-    if impl == "pallas":
-        out = pallas_attention(q, k_pool, v_pool, md, sm_scale)
+    if impl in KERNEL_IMPLS:
+        out = pallas_attention(q, k_pool, v_pool, md, sm_scale, block_pages,
+                               interpret=impl == "pallas_interpret")
     else:
         attend = decode_attention if layout == "decode" else flat_attention
         out = attend(q, k_pool, v_pool, md, sm_scale, block_pages)
@@ -175,12 +175,14 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pool: jax.Array,
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write k/v [T, KVH, D] into the pools, attend q [T, H, D]; returns (out, k_pool, v_pool).
 
-    `impl` must already be resolved ("gather" or "pallas"); `layout` is the one md was
-    prepared for ("decode" or "flat" for gather, "ragged" for pallas); call inside jit.
+    `impl` must already be resolved ("gather", "pallas" or "pallas_interpret"); `layout` is the
+    one md was prepared for ("decode" or "flat" for gather, "ragged" for the kernel); call
+    inside jit.
     """
-    if impl not in ("gather", "pallas"):
-        raise ValueError(f"paged_attention: impl must be 'gather' or 'pallas', got {impl!r}")
-    want = ("ragged",) if impl == "pallas" else ("decode", "flat")
+    if impl not in ("gather", *KERNEL_IMPLS):
+        raise ValueError(f"paged_attention: impl must be gather, pallas or pallas_interpret, "
+                         f"got {impl!r}")
+    want = ("ragged",) if impl in KERNEL_IMPLS else ("decode", "flat")
     if layout not in want:
         raise ValueError(f"paged_attention: impl {impl!r} reads layout {' or '.join(want)}, "
                          f"got {layout!r}")

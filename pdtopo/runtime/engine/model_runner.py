@@ -115,7 +115,7 @@ class ModelRunner:
             page_size=self.page_size, max_pages=self.max_pages_per_seq,
             max_rows=bucket(self.max_running_requests),
             max_prefill_tokens=self.max_prefill_tokens,
-            layout_kind="ragged" if self.attention_impl == "pallas" else "paged")
+            layout_kind="ragged" if self.attention_impl in attn.KERNEL_IMPLS else "paged")
         self._replicated = NamedSharding(mesh, P())
         self._programs = StepPrograms(self.config, mesh, self.attention_impl,
                                       self.geometry.block_pages, self.kv_sharding)

@@ -13,8 +13,10 @@ warmup (`shape_grid`) and never compiles while serving. Three layouts:
           every sequence in the batch are listed one after another (`ctx_pages`, with their owner
           sequence and first position), each sequence starting on a block boundary, padded to a
           fixed length (`StepGeometry.flat_pages`); the key depends on the token bucket alone.
-  ragged  the TPU ragged paged-attention kernel's inputs (per-sequence page tables, cumulative
-          query lengths); its key keeps the batch and page buckets.
+  ragged  the TPU ragged paged-attention kernel's inputs (per-sequence page tables as wide as
+          the decode layout's, cumulative query lengths); the key depends on the token bucket
+          alone (rows: min(max_rows, tokens), since a step has no more sequences than tokens),
+          so its grid is one shape per token bucket up to max(max_rows, max_prefill_tokens).
 
 Attention (pdtopo.runtime.engine.attention) walks the context block by block (`block_pages` pages per
 block) with an online softmax, only as far as the data goes, so padded tables cost nothing but a
@@ -157,8 +159,9 @@ def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
         tb = rows = max(bucket(n), 1)
     elif layout == "flat":
         tb, rows = bucket(total), max(geometry.max_rows, bucket(n))
-    else:
-        tb, rows = bucket(total), bucket(n)
+    else:  # ragged: a step of T tokens has at most T sequences, so the key is T's bucket
+        tb = bucket(total)
+        rows = max(min(geometry.max_rows, tb), bucket(n))
 
     cu = np.zeros(rows + 1, dtype=np.int32)
     cu[1:n + 1] = np.cumsum(lens)
@@ -208,12 +211,9 @@ def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
         num_blocks = np.zeros(1, dtype=np.int32)
         pages_key, ctx_key = 0, (width, width_i)
     else:
-        if layout == "decode":
-            width = geometry.decode_pages
-            if int(need.max()) > width:
-                width = round_up(bucket(int(need.max())), bp)
-        else:
-            width = bucket(int(need.max()))
+        width = geometry.decode_pages  # the kernel reads only the pages a row needs
+        if int(need.max()) > width:
+            width = round_up(bucket(int(need.max())), bp)
         page_table = np.zeros((rows, width), dtype=np.int32)
         for i, t in enumerate(tables):
             page_table[i, :len(t)] = t
@@ -240,6 +240,17 @@ def warmup_batches(geometry: StepGeometry, decode: bool = True,
     """One representative batch per StepKey of `shape_grid`: a list of (tokens, start_pos) per
     sequence, to be run on the reserved page 0 only."""
     batches: list[list[tuple[int, int]]] = []
+    if geometry.layout_kind == "ragged":  # one key per token bucket, whatever the step's kind
+        top = max(geometry.max_rows, bucket(geometry.max_prefill_tokens))
+        longest = geometry.max_pages * geometry.page_size  # one sequence's most tokens
+        t = 1
+        while t <= top:
+            if t <= geometry.max_rows:
+                batches.append([(1, 0)] * t)
+            else:
+                batches.append([(min(longest, t - at), 0) for at in range(0, t, longest)])
+            t *= 2
+        return batches
     if decode:
         b = 1
         while b <= geometry.max_rows:
