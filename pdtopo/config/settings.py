@@ -31,7 +31,15 @@ from omegaconf.errors import OmegaConfBaseException
 from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on TPU, float32 elsewhere
+
+
+def resolved_dtype(name: str, platform: str) -> str:
+    """The dtype an engine on `platform` ("tpu", "cpu", ...) runs for engine.dtype / kv_dtype
+    `name`: "auto" is bfloat16 on TPU (float32 only when asked for) and float32 elsewhere."""
+    if str(name) == "auto":
+        return "bfloat16" if platform == "tpu" else "float32"
+    return str(name)
 ATTENTION_IMPLS = ("auto", "pallas", "pallas_interpret", "gather")
 KERNEL_IMPLS = ("auto", "pallas", "xla")
 # the server threads `server.fault_inject_thread` can kill (pdtopo.runtime.worker_threads)
@@ -53,6 +61,7 @@ class EngineSettings:
     max_new_tokens_limit: int = MISSING
     max_running_requests: int = MISSING
     max_prefill_tokens: int = MISSING
+    mixed_steps: bool = MISSING
     attention_impl: str = MISSING
     seed: int = MISSING
     served_model_name: str | None = MISSING

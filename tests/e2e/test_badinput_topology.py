@@ -132,7 +132,7 @@ def test_per_role_overrides_that_agree_are_planned_and_applied(tmp_path):
     d = load_process_context(run, "decode_0")
     assert p.cfg.engine.page_size == d.cfg.engine.page_size == 32
     assert (p.settings.engine.num_pages, d.settings.engine.num_pages) == (300, 512)
-    assert p.cfg.engine.kv_dtype == "float32"  # untouched keys keep engine.*
+    assert p.cfg.engine.kv_dtype == "auto"  # untouched keys keep engine.*
     boot = load_process_context(run, "bootstrap")
     assert boot.cfg.engine.page_size == 16  # no engine override for the bootstrap role
 
@@ -140,8 +140,8 @@ def test_per_role_overrides_that_agree_are_planned_and_applied(tmp_path):
 def test_direct_context_applies_role_overrides():
     cfg = compose_config(["+topology.decode.engine.kv_dtype=bfloat16"])
     assert direct_process_context(cfg, role="decode").cfg.engine.kv_dtype == "bfloat16"
-    assert direct_process_context(cfg, role="prefill").cfg.engine.kv_dtype == "float32"
-    assert cfg.engine.kv_dtype == "float32"  # the caller's config is not modified
+    assert direct_process_context(cfg, role="prefill").cfg.engine.kv_dtype == "auto"
+    assert cfg.engine.kv_dtype == "auto"  # the caller's config is not modified
 
 
 def test_incompatible_roles_escape_hatch_warns_loudly(tmp_path, capsys):

@@ -20,7 +20,7 @@ def test_render_writes_run_dir(tmp_path, capsys):
         "supervisord.conf", "token"]
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert "hydra" not in cfg and cfg["topology"]["name"] == "2p2d_cpu"
-    assert cfg["engine"]["kv_dtype"] == "float32"  # resolved interpolation
+    assert cfg["engine"]["kv_dtype"] == "auto"  # resolved interpolation (auto: per platform at run time)
     plan = json.loads((run / "plan.json").read_text())
     names = [p["name"] for p in plan["processes"]]
     assert names == ["bootstrap", "prefill_0", "prefill_1", "decode_0", "decode_1", "proxy"]

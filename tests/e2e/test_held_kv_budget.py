@@ -23,7 +23,7 @@ from pdtopo.runtime.api.drain_routes import in_flight
 from pdtopo.runtime.disagg import messages as m
 from pdtopo.runtime.disagg.side_channel import SideChannel
 from pdtopo.runtime.engine.mesh import build_mesh
-from pdtopo.runtime.engine.model_runner import ModelRunner, reserved_pages
+from pdtopo.runtime.engine.model_runner import ModelRunner, reserved_pages, tightest_memory
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import make_scheduler
@@ -49,14 +49,26 @@ def test_pool_sized_by_memory_leaves_room_for_held_copies(monkeypatch):
     assert reserved_pages(settings, "prefill") == 10
     assert reserved_pages(settings, "decode") == reserved_pages(settings, "colocated") == 0
     mesh = build_mesh(1)
-    page = ModelRunner(cfg.model, cfg.engine, mesh).page_bytes_per_device()
+    plain = ModelRunner(cfg.model, cfg.engine, mesh)
+    page = plain.page_bytes_per_device()
+    step = plain.step_memory_bytes()  # the largest step's own buffers come off the budget
+    assert step > 0
+    # half of the limit, less the step's buffers, is 50 pages
     monkeypatch.setattr(ModelRunner, "_memory_stats",
-                        lambda self: {"bytes_limit": 100 * page, "bytes_in_use": 0})
+                        lambda self: {"bytes_limit": 100 * page + 2 * step, "bytes_in_use": 0})
     eng = OmegaConf.merge(cfg.engine, {"kv_memory_fraction": 0.5})
     assert ModelRunner(cfg.model, eng, mesh).num_pages == 50
     assert ModelRunner(cfg.model, eng, mesh, reserve_pages=10).num_pages == 40
     with pytest.raises(ValueError, match="disaggregation.max_held_kv_pages=49"):
         ModelRunner(cfg.model, eng, mesh, reserve_pages=49)
+
+
+def test_pool_sizing_takes_the_tightest_device():
+    stats = [{"bytes_limit": 100, "bytes_in_use": 10}, {"bytes_limit": 80, "bytes_in_use": 0},
+             {"bytes_limit": 100, "bytes_in_use": 40}]
+    assert tightest_memory(stats) == {"bytes_limit": 80, "bytes_in_use": 20}  # 60 free
+    assert tightest_memory([*stats, None]) is None
+    assert tightest_memory([]) is None
 
 
 def _prefill(cfg):

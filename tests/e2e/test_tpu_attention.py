@@ -165,8 +165,10 @@ SERVING_PROMPTS = [[1, 5, 9, 12, 40, 7], [3] * 37, [8], [11, 2, 2, 90] * 5, [6] 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_serving_with_the_interpreted_kernel(tp):
     """A colocated scheduler with `engine.attention_impl=pallas_interpret` (the TPU kernel,
-    interpreted) gives the XLA gather path's greedy tokens, and compiles no step shape after
-    warmup: every compiled key is in the ragged shape grid warmup compiled."""
+    interpreted) gives the XLA gather path's greedy tokens through a workload of mixed steps
+    (134 prompt tokens over a 64-token budget: later prompts prefill beside running decodes),
+    and compiles no step shape after warmup: every compiled key is in the ragged shape grid
+    warmup compiled."""
     from pdtopo.config.compose import compose_config
     from pdtopo.runtime.model.tokenizer import load_tokenizer
     from tests.support.engine_greedy import greedy_colocated, scheduler_for
@@ -181,6 +183,7 @@ def test_serving_with_the_interpreted_kernel(tp):
         warmed = runner.compiled_keys()
         tokens[impl] = greedy_colocated(sched, SERVING_PROMPTS, 8)
         assert runner.compiled_keys() == warmed, "a step shape compiled while serving"
+        assert sched.stats()["num_mixed_steps"] > 0  # prompts prefilled beside decodes
         if impl == "pallas_interpret":
             assert runner.geometry.layout_kind == "ragged"
             assert warmed == runner.shape_grid()

@@ -22,6 +22,7 @@ from pdtopo.runtime.disagg.reshard import (
     same_layout,
 )
 from pdtopo.runtime.disagg.reshard_arrays import assemble, cut_pieces
+from pdtopo.runtime.engine.pool_format import POOL_FORMAT
 
 
 def lay(model: int, pool: int, tp: int, procs=None) -> KVShardLayout:
@@ -101,6 +102,14 @@ def test_layout_problems_name_the_keys():
     assert layout_problems(runner_layout(1, 4, 4), runner_layout(2, 4, 4, [0, 1])) == []
     (why,) = layout_problems(runner_layout(1, 4, 4), runner_layout(2, 2, 2))
     assert why == "kv_layout.model_kv_heads: this server has 4, peer has 2"
+
+
+def test_pool_formats_must_match_and_old_servers_store_todays():
+    new = runner_layout(1, 4, 4, pool_format=POOL_FORMAT)
+    assert layout_problems(new, runner_layout(1, 4, 4)) == []  # a server without the key
+    (why,) = layout_problems(new, runner_layout(1, 4, 4, pool_format="fused-kv/2"))
+    assert why.startswith("kv_layout.pool_format: this server stores its KV pool as "
+                          f"{POOL_FORMAT!r}, the peer as 'fused-kv/2'")
 
 
 def test_instance_layouts_from_a_plan():

@@ -249,3 +249,41 @@ def test_factory_roles():
     with pytest.raises(ValueError, match="role 'router'"):
         make_scheduler(replace(ctx, process={**ctx.process, "role": "router"}), FakeRunner(),
                        FakeTokenizer())
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_mixed_steps_keep_decodes_running_while_a_long_prompt_prefills(mixed):
+    """With engine.mixed_steps every step carries the running decodes plus prompt chunks in
+    the budget left (decodes count against engine.max_prefill_tokens); without, the prompt's
+    chunks run alone and the decodes wait. Tokens equal the reference either way."""
+    runner = FakeRunner(num_pages=64, page_size=4)
+    s = Scheduler(make_ctx(max_prefill_tokens=8, mixed_steps=mixed), runner, FakeTokenizer())
+    short = [[3, 4, 5], [6, 7]]
+    long_prompt = [2 + (j % 50) for j in range(30)]
+    sinks = []
+    for i, p in enumerate(short):
+        req, sink = mk(f"s{i}", p, n=12)
+        s.submit(req)
+        sinks.append(sink)
+    s.drain_inbox()
+    s.run_batch(s.schedule())  # both short prompts prefill together and start decoding
+    assert len(s.running) == 2
+    req, long_sink = mk("long", long_prompt, n=3)
+    s.submit(req)
+    run_until_idle(s)
+    for p, sink in zip(short, sinks, strict=True):
+        assert collect(sink)[0] == reference(p, 12)
+    assert collect(long_sink)[0] == reference(long_prompt, 3)
+    steps = runner.calls[1:]
+    while_prefilling = steps[:next(i for i, c in enumerate(steps)
+                                   if any(x.start_pos + len(x.token_ids) == 30 for x in c)) + 1]
+    assert all(sum(len(x.token_ids) for x in c) <= 8 for c in runner.calls)
+    if mixed:
+        # each of those steps: the two decodes (one token each) and a 6-token chunk
+        assert [sorted(len(x.token_ids) for x in c) for c in while_prefilling] == \
+            [[1, 1, 6]] * 5
+        assert s.stats()["num_mixed_steps"] == 5
+    else:
+        assert [[len(x.token_ids) for x in c] for c in while_prefilling] == [[8]] * 3 + [[6]]
+        assert s.stats()["num_mixed_steps"] == 0
+    assert_baseline(s)

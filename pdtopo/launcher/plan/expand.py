@@ -501,6 +501,9 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
         warnings = validate.check_engine_compat(
             topo, {role: group_settings(cfg, "engine", role) for role in ("prefill", "decode")},
             allow_incompatible=settings.launcher.allow_incompatible_roles)
+    validate.check_tpu_attention_budget(
+        topo, cfg.get("model"),
+        {role: group_settings(cfg, "engine", role) for role, _ in _server_roles(topo)}, acc)
     servers = _server_processes(cfg, topo, acc, _assign_chips(topo, acc), str(run_dir),
                                 python, cpus, settings.launcher)
     servers, derived_key = _guard_servers(servers, proxy, settings.server, topo.mode, routable)

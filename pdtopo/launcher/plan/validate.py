@@ -12,7 +12,9 @@ import ipaddress
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
+from pdtopo.config import tpu_kernel_budget
 from pdtopo.config.schema import (
     MODES,
     OVERRIDE_PORT_KINDS,
@@ -25,7 +27,7 @@ from pdtopo.config.schema import (
     TopologyError,
     TopologySchema,
 )
-from pdtopo.config.settings import EngineSettings, ServerSettings
+from pdtopo.config.settings import EngineSettings, ServerSettings, resolved_dtype
 from pdtopo.launcher.plan.tpu_env import Accelerator, process_grid, split_error
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -334,6 +336,8 @@ def check_engine_compat(topo: TopologySchema, engines: dict[str, EngineSettings]
         d = getattr(topo.decode.engine, field_name)
         p_eff = getattr(engines["prefill"], field_name)
         d_eff = getattr(engines["decode"], field_name)
+        if field_name == "kv_dtype":  # "auto" is what it means on this platform
+            p_eff, d_eff = (resolved_dtype(v, topo.platform) for v in (p_eff, d_eff))
         if p_eff != d_eff:
             key = f"topology.decode.engine.{field_name}" if d is not None else \
                 f"topology.prefill.engine.{field_name}"
@@ -345,3 +349,20 @@ def check_engine_compat(topo: TopologySchema, engines: dict[str, EngineSettings]
             warnings.append(f"{err} (allowed by launcher.allow_incompatible_roles=true: every "
                             "PD request will fail with an incompatible-peer error)")
     return warnings
+
+
+def check_tpu_attention_budget(topo: TopologySchema, model: Any,
+                               engines: dict[str, EngineSettings], acc: Accelerator) -> None:
+    """On a TPU, the attention kernel's SMEM (page tables) and VMEM needs fit every role
+    (`pdtopo.config.tpu_kernel_budget`); VMEM only where the config states the model's shapes."""
+    if acc.platform != "tpu":
+        return
+    dims = [model.get(k) if model is not None else None
+            for k in ("num_kv_heads", "num_heads", "head_dim")]
+    for role, engine in engines.items():
+        if engine.attention_impl not in ("auto", "pallas"):
+            continue
+        spec = getattr(topo, role, None)
+        tp = int(spec.mesh.get("tp", 1)) if spec is not None else 1
+        for key, value, why in tpu_kernel_budget.problems(engine, *dims, tp=tp):
+            raise TopologyError(key, value, f"{why} ({role} servers)")

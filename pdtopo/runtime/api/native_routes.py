@@ -218,6 +218,7 @@ def server_info(state: ServerState) -> dict[str, Any]:
     """sglang's /get_server_info: model info, engine limits and the scheduler's stats."""
     eng = state.engine
     stats = state.scheduler.stats() if state.scheduler is not None else {}
+    runner = getattr(state.scheduler, "runner", None)  # dtypes as served ("auto" resolved)
     total_pages = stats.get("total_pages")
     return {
         **state.model_info(),
@@ -230,8 +231,8 @@ def server_info(state: ServerState) -> dict[str, Any]:
         "max_running_requests": eng.max_running_requests,
         "max_prefill_tokens": eng.max_prefill_tokens,
         "max_total_num_tokens": (total_pages * eng.page_size) if total_pages else None,
-        "dtype": eng.dtype,
-        "kv_dtype": eng.kv_dtype,
+        "dtype": runner.dtype.name if runner is not None else eng.dtype,
+        "kv_dtype": runner.kv_dtype.name if runner is not None else eng.kv_dtype,
         "ready": state.ready,
         "internal_states": [stats],
     }

@@ -91,7 +91,7 @@ class DisaggregationMixinBase:
             zmq_addr=zmq_addr,
             http_addr=f"{ctx.address}:{http}" if http else None,
             page_size=int(self.runner.page_size),
-            kv_dtype=ctx.settings.engine.kv_dtype,
+            kv_dtype=layout["dtype"],  # resolved: engine.kv_dtype "auto" depends on the platform
             model=model_identity(cfg),
             kv_layout={k: (list(v) if isinstance(v, tuple) else v) for k, v in layout.items()},
             mesh_meta={"tp": int(ctx.process.get("mesh", {}).get("tp", 1))},

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdtopo.runtime.engine.pool_format import POOL_FORMAT
+
 # kv_layout keys that must be equal on both sides whatever the sharding (each a reason the KV
 # bytes would mean something else); tp, kv_heads and the process split may differ
 MAX_SHARDS, MAX_POOL_HEADS = 4096, 65536  # bounds on what a peer's layout may claim
@@ -138,6 +140,11 @@ def layout_problems(mine: Mapping[str, Any], peer: Mapping[str, Any]) -> list[st
     """Differences between two runners' `kv_layout()` dicts that make KV exchange unsafe:
     the invariant keys, then whether a reshard exists between the two shardings."""
     problems = []
+    ours, theirs = mine.get("pool_format", POOL_FORMAT), peer.get("pool_format", POOL_FORMAT)
+    if ours != theirs:
+        problems.append(f"kv_layout.pool_format: this server stores its KV pool as {ours!r}, "
+                        f"the peer as {theirs!r}: KV pages cannot move between them (run P "
+                        "and D of one pdtopo version)")
     for key in INVARIANT_KEYS:
         a, b = mine.get(key), peer.get(key)
         if a != b:

@@ -276,7 +276,7 @@ def follower_registration(ctx: Any, runner: Any, transfer_addr: str):
         role=ctx.role, instance_id=str(ctx.process.get("instance_id", ctx.name)), **ctx.rank,
         transfer_addr=transfer_addr, zmq_addr=f"{ctx.address}:{int(ctx.ports.get('zmq') or 1)}",
         http_addr=f"{ctx.address}:{http}" if http else None,
-        page_size=runner.page_size, kv_dtype=ctx.settings.engine.kv_dtype,
+        page_size=runner.page_size, kv_dtype=layout["dtype"],
         model=model_identity(cfg),
         kv_layout={k: (list(v) if isinstance(v, tuple) else v) for k, v in layout.items()},
         mesh_meta={"tp": int(ctx.process.get("mesh", {}).get("tp", 1)),

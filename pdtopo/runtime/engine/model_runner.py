@@ -32,9 +32,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from omegaconf import DictConfig
 
+from pdtopo.config import tpu_kernel_budget
 from pdtopo.config.settings import EngineSettings, engine_settings
 from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
 from pdtopo.runtime.engine import attention as attn
+from pdtopo.runtime.engine.pool_format import POOL_FORMAT
 from pdtopo.runtime.engine.step_inputs import (
     StepGeometry,
     StepInputs,
@@ -79,6 +81,16 @@ def reserved_pages(settings: Any, role: str) -> int:
     return int(settings.disaggregation.max_held_kv_pages) if role == "prefill" else 0
 
 
+def tightest_memory(per_device: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One device's worth of memory that every device has: the smallest limit and the smallest
+    free memory (as `bytes_in_use` of that limit); None when any device keeps no statistics."""
+    if not per_device or any(not s or "bytes_limit" not in s for s in per_device):
+        return None
+    limit = min(int(s["bytes_limit"]) for s in per_device)
+    free = min(int(s["bytes_limit"]) - int(s.get("bytes_in_use", 0)) for s in per_device)
+    return {"bytes_limit": limit, "bytes_in_use": limit - free}
+
+
 class ModelRunner:
     """Weights + paged KV pool + bucketed, jitted batched forward (see module docstring)."""
 
@@ -105,20 +117,24 @@ class ModelRunner:
         self.max_prefill_tokens = engine.max_prefill_tokens
         self.max_pages_per_seq = math.ceil(self.max_model_len / self.page_size)
         self.attention_impl = attn.resolve_impl(engine.attention_impl, self.config.head_dim)
+        if self.attention_impl in attn.KERNEL_IMPLS:  # the checkpoint's shapes, this tp
+            for _, _, why in tpu_kernel_budget.problems(
+                    engine, self.config.num_kv_heads, self.config.num_heads,
+                    self.config.head_dim, self.tp):
+                raise ValueError(why)
 
         self.params = self._load_params()
-        self.num_pages = self._num_pages(engine)
         self.kv_sharding = NamedSharding(mesh, KV_PARTITION_SPEC)
-        self.kv_caches: list[jax.Array] = self._allocate_pool()
-
         self.geometry = StepGeometry(
             page_size=self.page_size, max_pages=self.max_pages_per_seq,
             max_rows=bucket(self.max_running_requests),
-            max_prefill_tokens=self.max_prefill_tokens,
+            max_prefill_tokens=self.max_prefill_tokens, mixed=bool(engine.mixed_steps),
             layout_kind="ragged" if self.attention_impl in attn.KERNEL_IMPLS else "paged")
         self._replicated = NamedSharding(mesh, P())
         self._programs = StepPrograms(self.config, mesh, self.attention_impl,
                                       self.geometry.block_pages, self.kv_sharding)
+        self.num_pages = self._num_pages(engine)
+        self.kv_caches: list[jax.Array] = self._allocate_pool()
         self._lock = threading.Lock()  # forward is single-owner; the lock guards misuse
         self._warmed = False  # after warmup, compiling a new shape is worth a warning
         log.info("ModelRunner: %s tp=%d dtype=%s kv_dtype=%s pages=%d x %d attention=%s%s",
@@ -155,8 +171,12 @@ class ModelRunner:
                     f"engine.kv_memory_fraction=null and engine.num_pages instead")
             limit = int(stats["bytes_limit"])
             free = limit - int(stats.get("bytes_in_use", 0))
-            budget = min(fraction * limit, 0.95 * free)
+            step = self.step_memory_bytes()
+            budget = min(fraction * limit, 0.95 * free) - step
             n = int(budget // self.page_bytes_per_device()) - self.reserve_pages
+            log.info("KV pool sized from device memory: limit %.2f GiB, free %.2f GiB, the "
+                     "largest step's own buffers %.1f MiB -> %d pages", limit / 2**30,
+                     free / 2**30, step / 2**20, n)
             if n < 2 and self.reserve_pages:
                 raise ValueError(
                     f"engine.kv_memory_fraction={fraction} leaves room for "
@@ -173,8 +193,24 @@ class ModelRunner:
         return n
 
     def _memory_stats(self) -> dict[str, Any] | None:
-        """The first device's memory statistics (None where the backend keeps none)."""
-        return self.mesh.devices.flat[0].memory_stats()
+        """The tightest memory statistics over this process's devices of the mesh: the
+        smallest limit and the smallest free memory (None where the backend keeps none)."""
+        return tightest_memory([d.memory_stats() for d in self.mesh.devices.flat
+                                if d.process_index == jax.process_index()])
+
+    def step_memory_bytes(self) -> int:
+        """Device bytes the largest step needs beside the pool and the weights: the compiled
+        layer and head programs' temporaries and outputs (XLA's memory analysis of the
+        largest token bucket, compiled against a 2-page pool: the step's own buffers do not
+        depend on the pool's size; sizing after warmup would be circular)."""
+        batch = max(warmup_batches(self.geometry), key=lambda b: sum(t for t, _ in b))
+        step = prepare_step([SeqChunk([0] * t, s, [0] * math.ceil((s + t) / self.page_size))
+                             for t, s in batch], self.geometry)
+        pool = jax.ShapeDtypeStruct((2, self.page_size, self.config.num_kv_heads,
+                                     self.config.head_dim), self.kv_dtype,
+                                    sharding=self.kv_sharding)
+        return self._programs.memory_bytes(step.key, self.params, pool,
+                                           *self._abstract_inputs(step))
 
     def _allocate_pool(self) -> list[jax.Array]:
         cfg = self.config
@@ -190,6 +226,7 @@ class ModelRunner:
         order = [int(d.process_index) for d in self.mesh.devices.flat]
         procs = sorted(set(order))
         return {
+            "pool_format": POOL_FORMAT,
             "num_entries": 2 * cfg.num_layers,
             "page_size": self.page_size,
             "kv_heads": cfg.num_kv_heads,              # in the pool (replicas included)

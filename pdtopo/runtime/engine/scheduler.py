@@ -6,7 +6,10 @@ both only put a message into the thread-safe `inbox`. The scheduler thread runs 
 whose iteration is `step()`:
 
     drain_inbox()            -> handle_new_request(req) / handle_abort(rid) / flush_cache
-    schedule()               -> schedule_prefill() (waiting queue, token budget
+    schedule()               -> with engine.mixed_steps and requests running and waiting:
+                                schedule_mixed() (schedule_decode's rows, then
+                                schedule_prefill's chunks in the budget left); else
+                                schedule_prefill() (waiting queue, token budget
                                 engine.max_prefill_tokens, a new request starts after its
                                 longest cached prefix (match_prefix), admission by free
                                 pages, chunked when a prompt exceeds the budget), else
@@ -75,10 +78,19 @@ EVICTABLE_REFRESH_S = 0.5  # how often a busy scheduler recounts the pages only 
 
 @dataclass
 class ScheduledBatch:
-    kind: str                                  # "prefill" | "decode"
+    """One step's rows: `num_decode` decode rows (one token each) first, then prompt chunks."""
+
+    kind: str                                  # "prefill" | "decode" | "mixed"
     reqs: list[Req]
     chunks: list[Any]
-    completes: list[bool] = field(default_factory=list)  # prefill: last chunk of the sequence?
+    completes: list[bool] = field(default_factory=list)  # per prompt chunk: the prompt's last?
+    num_decode: int = 0
+
+    @staticmethod
+    def mixed(decode: ScheduledBatch, prefill: ScheduledBatch) -> ScheduledBatch:
+        return ScheduledBatch("mixed", decode.reqs + prefill.reqs,
+                              decode.chunks + prefill.chunks, prefill.completes,
+                              num_decode=len(decode.reqs))
 
 
 def token_usage(stats: dict[str, Any]) -> float:
@@ -104,6 +116,7 @@ class Scheduler:
         self.prefix_cache = self.make_prefix_cache(eng)
         self.max_model_len = eng.max_model_len
         self.max_prefill_tokens = eng.max_prefill_tokens
+        self.mixed_steps = bool(eng.mixed_steps)
         self.max_running = eng.max_running_requests
         self.base_seed = eng.seed
         self.model_name = eng.served_model_name or str(ctx.cfg.model.name)
@@ -122,6 +135,7 @@ class Scheduler:
         self.num_forward = 0
         self.num_generated = 0
         self.num_prefill_tokens = 0
+        self.num_mixed_steps = 0      # steps that carried decodes and prompt chunks together
         self.num_preemptions = 0
         self.num_cached_tokens = 0    # prompt tokens whose KV came from the prefix cache
         self._page_check: tuple[int, list[str]] = (-1, [])  # (allocator version, problems)
@@ -487,10 +501,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batches
     def schedule(self) -> ScheduledBatch | None:
+        if self.mixed_steps and self.running and self.waiting:
+            return self.schedule_mixed()
         return self.schedule_prefill() or self.schedule_decode()
 
-    def schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.max_prefill_tokens
+    def schedule_mixed(self) -> ScheduledBatch | None:
+        """Every running decode, then prompt chunks in what is left of the token budget: a
+        long prompt no longer stops the running requests while it prefills."""
+        decode = self.schedule_decode()
+        if decode is None:  # all preempted
+            return self.schedule_prefill()
+        budget = self.max_prefill_tokens - len(decode.reqs)
+        prefill = self.schedule_prefill(budget) if budget > 0 else None
+        return ScheduledBatch.mixed(decode, prefill) if prefill else decode
+
+    def schedule_prefill(self, budget: int | None = None) -> ScheduledBatch | None:
+        """Prompt chunks of waiting requests within `budget` tokens (default
+        engine.max_prefill_tokens), first come first served."""
+        budget = self.max_prefill_tokens if budget is None else budget
         batch = ScheduledBatch("prefill", [], [])
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(batch.reqs) >= self.max_running:
@@ -548,7 +576,7 @@ class Scheduler:
                         f"{need} needed)", 503))
         if not self.running:
             return None
-        batch = ScheduledBatch("decode", list(self.running), [])
+        batch = ScheduledBatch("decode", list(self.running), [], num_decode=len(self.running))
         for req in batch.reqs:
             tokens = req.all_ids[req.num_computed:]
             batch.chunks.append(self.make_chunk(tokens, req.num_computed, req.page_ids))
@@ -570,16 +598,17 @@ class Scheduler:
                 self.finish_request(req, FinishReason.abort(f"engine error: {exc}"))
             return
         self.num_forward += 1
+        self.num_mixed_steps += batch.kind == "mixed"
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue
             n = len(batch.chunks[i].token_ids)
             req.num_computed += n
-            if batch.kind == "prefill":
+            if i >= batch.num_decode:  # a prompt chunk
                 self.num_prefill_tokens += n
                 self.metrics.prompt_tokens.inc(n)
                 self.metrics.computed_tokens.inc(n)
-                if not batch.completes[i]:
+                if not batch.completes[i - batch.num_decode]:
                     continue
                 self.waiting.remove(req)
                 self.on_prefill_finished(req, int(tokens[i]))
@@ -625,6 +654,7 @@ class Scheduler:
             "num_forward": self.num_forward,
             "num_generated": self.num_generated,
             "num_prefill_tokens": self.num_prefill_tokens,
+            "num_mixed_steps": self.num_mixed_steps,
             "num_preemptions": self.num_preemptions,
             "prefix_cache": self.prefix_cache is not None,
             "tree_pages": self.prefix_cache.num_pages if self.prefix_cache is not None else 0,

@@ -93,6 +93,9 @@ class StepGeometry:
     # False: every batch runs in the flat layout, one-token chunks included (a server that
     # never decodes, P, then never compiles a decode shape for a batch of one-token chunks)
     decode_layout: bool = True
+    # True: a flat step may carry every running decode beside the prompt chunks
+    # (engine.mixed_steps), so its context list is bounded by max_rows whole contexts
+    mixed: bool = False
 
     @property
     def block_pages(self) -> int:
@@ -109,11 +112,12 @@ class StepGeometry:
 
     @property
     def flat_pages(self) -> int:
-        """Bound on a prefill batch's block-aligned context list: one sequence continuing a
-        chunked prompt (up to max_pages) + the batch's new tokens + per-sequence alignment."""
+        """Bound on a flat batch's block-aligned context list: one sequence continuing a
+        chunked prompt (up to max_pages; with mixed steps every row's whole context) + the
+        batch's new tokens + per-sequence alignment."""
         new = math.ceil(self.max_prefill_tokens / self.page_size) + self.max_rows
-        return round_up(self.max_pages + new + self.max_rows * self.block_pages,
-                        self.block_pages)
+        contexts = self.max_rows * self.max_pages if self.mixed else self.max_pages
+        return round_up(contexts + new + self.max_rows * self.block_pages, self.block_pages)
 
     @property
     def flat_work(self) -> int:

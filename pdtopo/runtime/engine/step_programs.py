@@ -125,6 +125,23 @@ class StepPrograms:
             abstract(positions), abstract(md)).compile()
         return time.perf_counter() - t0
 
+    def memory_bytes(self, key: StepKey, params: llama.Params, pool, tokens, positions, md,
+                     last_idx) -> int:
+        """Temporary and output bytes of step shape `key`'s layer and head programs per
+        device, from XLA's memory analysis (compiled here, not kept: `pool` may be a stand-in)."""
+        hp = abstract(head_params(params))
+        x = jax.ShapeDtypeStruct((tokens.shape[0], params["embed"].shape[1]),
+                                 params["embed"].dtype, sharding=self._replicated)
+        layer = self._layers[key[0]].lower(abstract(params["layers"][0]), pool, pool, x,
+                                           abstract(positions), abstract(md)).compile()
+        head = self._head.lower(hp, x, abstract(last_idx)).compile()
+        total = 0
+        for program in (layer, head):
+            stats = program.memory_analysis()
+            if stats is not None:
+                total += int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
+        return total
+
     def run(self, key: StepKey, params: llama.Params, caches: list, tokens, positions, md,
             last_idx) -> tuple[jax.Array, list]:
         """(logits, new caches) of one step over device inputs; `caches` (2*L arrays, k_0,

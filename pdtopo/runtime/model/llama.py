@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pdtopo.config.settings import resolved_dtype
 from pdtopo.model_config.shapes import (  # noqa: F401
     check_tp,
     kv_replication,
@@ -40,10 +41,15 @@ AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def resolve_dtype(name: str, key: str = "engine.dtype") -> jnp.dtype:
-    if str(name) not in DTYPES:
-        raise ValueError(f"{key}={name!r} is not supported (choose one of {', '.join(DTYPES)})")
-    return jnp.dtype(DTYPES[str(name)])
+def resolve_dtype(name: str, key: str = "engine.dtype", platform: str | None = None
+                  ) -> jnp.dtype:
+    """The dtype of engine.dtype / kv_dtype `name` on `platform` (default: this backend);
+    "auto" is bfloat16 on TPU, float32 elsewhere (pdtopo.config.settings.resolved_dtype)."""
+    name = resolved_dtype(name, platform or jax.default_backend())
+    if name not in DTYPES:
+        raise ValueError(f"{key}={name!r} is not supported (choose one of auto, "
+                         f"{', '.join(DTYPES)})")
+    return jnp.dtype(DTYPES[name])
 
 
 _LAYER_SPECS = {
