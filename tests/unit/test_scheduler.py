@@ -253,9 +253,10 @@ def test_factory_roles():
 
 @pytest.mark.parametrize("mixed", [True, False])
 def test_mixed_steps_keep_decodes_running_while_a_long_prompt_prefills(mixed):
-    """With engine.mixed_steps every step carries the running decodes plus prompt chunks in
-    the budget left (decodes count against engine.max_prefill_tokens); without, the prompt's
-    chunks run alone and the decodes wait. Tokens equal the reference either way."""
+    """With engine.mixed_steps, while more prompt tokens wait than one step's budget, every
+    step carries the running decodes plus prompt chunks in the budget left (decodes count
+    against engine.max_prefill_tokens); without, the prompt's chunks run alone and the decodes
+    wait. Tokens equal the reference either way."""
     runner = FakeRunner(num_pages=64, page_size=4)
     s = Scheduler(make_ctx(max_prefill_tokens=8, mixed_steps=mixed), runner, FakeTokenizer())
     short = [[3, 4, 5], [6, 7]]
@@ -279,10 +280,11 @@ def test_mixed_steps_keep_decodes_running_while_a_long_prompt_prefills(mixed):
                                    if any(x.start_pos + len(x.token_ids) == 30 for x in c)) + 1]
     assert all(sum(len(x.token_ids) for x in c) <= 8 for c in runner.calls)
     if mixed:
-        # each of those steps: the two decodes (one token each) and a 6-token chunk
+        # the two decodes (one token each) and a 6-token chunk while more than one step's
+        # budget of prompt is left; the last 6 tokens fit one step and run alone
         assert [sorted(len(x.token_ids) for x in c) for c in while_prefilling] == \
-            [[1, 1, 6]] * 5
-        assert s.stats()["num_mixed_steps"] == 5
+            [[1, 1, 6]] * 4 + [[6]]
+        assert s.stats()["num_mixed_steps"] == 4
     else:
         assert [[len(x.token_ids) for x in c] for c in while_prefilling] == [[8]] * 3 + [[6]]
         assert s.stats()["num_mixed_steps"] == 0

@@ -6,8 +6,9 @@ both only put a message into the thread-safe `inbox`. The scheduler thread runs 
 whose iteration is `step()`:
 
     drain_inbox()            -> handle_new_request(req) / handle_abort(rid) / flush_cache
-    schedule()               -> with engine.mixed_steps and requests running and waiting:
-                                schedule_mixed() (schedule_decode's rows, then
+    schedule()               -> with engine.mixed_steps, requests running and more prompt
+                                tokens waiting than one step's budget: schedule_mixed()
+                                (schedule_decode's rows, then
                                 schedule_prefill's chunks in the budget left); else
                                 schedule_prefill() (waiting queue, token budget
                                 engine.max_prefill_tokens, a new request starts after its
@@ -501,9 +502,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batches
     def schedule(self) -> ScheduledBatch | None:
-        if self.mixed_steps and self.running and self.waiting:
+        if self.mixed_steps and self.running and self.prefill_backlog() > self.max_prefill_tokens:
             return self.schedule_mixed()
         return self.schedule_prefill() or self.schedule_decode()
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens the waiting requests still need. Mixing pays when prefilling them
+        alone would hold the running decodes for more than one step; one short prefill step
+        runs alone, as cheap for the decodes as a mixed one and cheaper for the batch."""
+        return sum(r.seq_len - r.num_computed for r in self.waiting)
 
     def schedule_mixed(self) -> ScheduledBatch | None:
         """Every running decode, then prompt chunks in what is left of the token budget: a
