@@ -12,7 +12,8 @@ settings and the model's shapes alone:
 
 Pure arithmetic, no I/O: the plan checks roles whose model shapes the config states, and the
 model runner checks again with the checkpoint's shapes before it allocates anything. The
-constants mirror the kernel's (`Q_BLOCK`, `CONTEXT_BLOCK_TOKENS`); the budgets leave a quarter of
+kernel's block sizes live here (`Q_BLOCK`, `CONTEXT_BLOCK_TOKENS`: the attention and step-input
+modules read them from this module); the budgets leave a quarter of
 SMEM and half of the scoped VMEM for what the compiler itself places there (256 rows at 8K
 tokens of 16-token pages, 514 KiB of page tables, fits).
 """
@@ -26,8 +27,11 @@ from pdtopo.config.settings import resolved_dtype
 
 SMEM_BUDGET = 768 * 1024        # of a v4/v5e/v5p/v6e/v7 core's 1 MiB; 256 KiB left over
 VMEM_BUDGET = 8 * 1024 * 1024   # half of the default 16 MiB scoped VMEM
-Q_BLOCK = 16                    # query rows per grid step (pdtopo.runtime.engine.attention)
-CONTEXT_BLOCK_TOKENS = 64       # context tokens per page block (step_inputs)
+Q_BLOCK = 16                    # query rows per grid step of the ragged kernel (fewer when
+#                                 the step is shorter)
+# context tokens attention reads per block: long enough to amortise the loop, short enough that
+# a short context is not padded much
+CONTEXT_BLOCK_TOKENS = 64
 INT32 = 4
 
 

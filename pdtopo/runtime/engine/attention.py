@@ -34,13 +34,13 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pdtopo.config.tpu_kernel_budget import Q_BLOCK  # query rows per grid step of the kernel
 from pdtopo.kernels import interpret_support, ragged_attention
 from pdtopo.runtime.engine.step_inputs import AttentionMetadata
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "gather")
 KERNEL_IMPLS = ("pallas", "pallas_interpret")  # the ragged kernel, on a TPU or interpreted
 _MASKED = -1e30  # finite so that fully masked (padding) rows give no NaN
-Q_BLOCK = 16  # query rows per grid step of the ragged kernel (fewer when the step is shorter)
 
 
 def resolve_impl(impl: str, head_dim: int, platform: str | None = None) -> str:

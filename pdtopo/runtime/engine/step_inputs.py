@@ -41,10 +41,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-# Context tokens attention reads per block: long enough to amortise the loop, short enough that
-# a short context is not padded much (a block holds max(1, CONTEXT_BLOCK_TOKENS // page_size)
-# pages).
-CONTEXT_BLOCK_TOKENS = 64
+from pdtopo.config.tpu_kernel_budget import CONTEXT_BLOCK_TOKENS
+
+# CONTEXT_BLOCK_TOKENS: context tokens attention reads per block (a block holds
+# max(1, CONTEXT_BLOCK_TOKENS // page_size) pages); defined beside the kernel's memory budget,
+# which depends on it
 
 LAYOUTS = ("decode", "flat", "ragged")
 
