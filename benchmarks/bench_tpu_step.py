@@ -87,12 +87,8 @@ def _today_local(q, k, v, k_pool, v_pool, md, *, sm_scale):
 
 def _today_attention(q, k, v, k_pool, v_pool, md, *, mesh, impl, layout, block_pages,
                      sm_scale=None):
-    heads, pool = P(None, "tp", None), P(None, None, "tp", None)
-    md_specs = attn.AttentionMetadata(*([P()] * len(attn.AttentionMetadata._fields)))
-    fn = jax.shard_map(partial(_today_local, sm_scale=1.0 / math.sqrt(q.shape[-1])),
-                       mesh=mesh, in_specs=(heads, heads, heads, pool, pool, md_specs),
-                       out_specs=(heads, pool, pool), check_vma=False)
-    return fn(q, k, v, k_pool, v_pool, md)
+    local = partial(_today_local, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+    return attn.per_device(local, mesh)(q, k, v, k_pool, v_pool, md)
 
 
 # ---------------------------------------------------------------- the step programs
@@ -115,20 +111,10 @@ def _step_inputs(spans, num_pages, path):
 
 
 def _layer_fn(path: str, mesh, block_pages: int):
-    if path == "today":
-        import pdtopo.runtime.engine.step_programs as sp
-
-        def layer(*args):
-            saved = sp.attn.paged_attention
-            sp.attn.paged_attention = _today_attention
-            try:
-                return _layer(*args, cfg=LLAMA3_8B, mesh=mesh, impl="pallas", layout="ragged",
-                              block_pages=block_pages)
-            finally:
-                sp.attn.paged_attention = saved
-        return layer
+    """The engine's layer program; today's path swaps in the previous attention call."""
+    attend = _today_attention if path == "today" else attn.paged_attention
     return partial(_layer, cfg=LLAMA3_8B, mesh=mesh, impl="pallas", layout="ragged",
-                   block_pages=block_pages)
+                   block_pages=block_pages, attend=attend)
 
 
 def _abstract_args(step, mesh, num_pages):

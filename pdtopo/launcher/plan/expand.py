@@ -497,13 +497,11 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
     settings = runtime_settings(cfg)  # every runtime group typed and checked, as P/D will
     validate.check_bind_host(topo, settings.server.bind_host)
     warnings: list[str] = []
+    engines = {role: group_settings(cfg, "engine", role) for role, _ in _server_roles(topo)}
     if topo.mode == "pd":
         warnings = validate.check_engine_compat(
-            topo, {role: group_settings(cfg, "engine", role) for role in ("prefill", "decode")},
-            allow_incompatible=settings.launcher.allow_incompatible_roles)
-    validate.check_tpu_attention_budget(
-        topo, cfg.get("model"),
-        {role: group_settings(cfg, "engine", role) for role, _ in _server_roles(topo)}, acc)
+            topo, engines, allow_incompatible=settings.launcher.allow_incompatible_roles)
+    validate.check_tpu_attention_budget(topo, cfg.get("model"), engines, acc)
     servers = _server_processes(cfg, topo, acc, _assign_chips(topo, acc), str(run_dir),
                                 python, cpus, settings.launcher)
     servers, derived_key = _guard_servers(servers, proxy, settings.server, topo.mode, routable)

@@ -187,11 +187,15 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pool: jax.Array,
         raise ValueError(f"paged_attention: impl {impl!r} reads layout {' or '.join(want)}, "
                          f"got {layout!r}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    local = partial(_local, impl=impl, layout=layout, block_pages=block_pages, sm_scale=scale)
+    return per_device(local, mesh)(q, k, v, k_pool, v_pool, md)
+
+
+def per_device(local, mesh: Mesh):
+    """`local(q, k, v, k_pool, v_pool, md) -> (out, k_pool, v_pool)` on each device's heads and
+    pool shard (shard_map over "tp"; the metadata replicated)."""
     heads = P(None, "tp", None)
     pool = P(None, None, "tp", None)
     md_specs = AttentionMetadata(*([P()] * len(AttentionMetadata._fields)))
-    fn = jax.shard_map(
-        partial(_local, impl=impl, layout=layout, block_pages=block_pages, sm_scale=scale),
-        mesh=mesh, in_specs=(heads, heads, heads, pool, pool, md_specs),
-        out_specs=(heads, pool, pool), check_vma=False)
-    return fn(q, k, v, k_pool, v_pool, md)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, md_specs),
+                         out_specs=(heads, pool, pool), check_vma=False)

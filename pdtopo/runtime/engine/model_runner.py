@@ -43,7 +43,7 @@ from pdtopo.runtime.engine.step_inputs import (
     bucket,
     prepare_step,
     shape_grid,
-    warmup_batches,
+    warmup_steps,
 )
 from pdtopo.runtime.engine.step_programs import StepPrograms
 from pdtopo.runtime.model import llama
@@ -203,9 +203,7 @@ class ModelRunner:
         layer and head programs' temporaries and outputs (XLA's memory analysis of the
         largest token bucket, compiled against a 2-page pool: the step's own buffers do not
         depend on the pool's size; sizing after warmup would be circular)."""
-        batch = max(warmup_batches(self.geometry), key=lambda b: sum(t for t, _ in b))
-        step = prepare_step([SeqChunk([0] * t, s, [0] * math.ceil((s + t) / self.page_size))
-                             for t, s in batch], self.geometry)
+        step = max(warmup_steps(self.geometry), key=lambda st: st.tokens.shape[0])
         pool = jax.ShapeDtypeStruct((2, self.page_size, self.config.num_kv_heads,
                                      self.config.head_dim), self.kv_dtype,
                                     sharding=self.kv_sharding)
@@ -322,9 +320,7 @@ class ModelRunner:
         so one-token chunks (a prompt cached but for its last token) compile nothing either."""
         if not decode:
             self.geometry = replace(self.geometry, decode_layout=False)
-        steps = [prepare_step([SeqChunk([0] * t, s, [0] * math.ceil((s + t) / self.page_size))
-                               for t, s in batch], self.geometry)
-                 for batch in warmup_batches(self.geometry, decode, prefill)]
+        steps = warmup_steps(self.geometry, decode, prefill)
         t0 = time.perf_counter()
         for n, step in enumerate(steps, 1):
             with self._lock:

@@ -274,15 +274,18 @@ def shape_grid(geometry: StepGeometry, decode: bool = True, prefill: bool = True
                ) -> set[StepKey]:
     """Every StepKey the scheduler's batches can produce (paged layouts): decode steps at each
     batch bucket, prefill steps at each token bucket up to engine.max_prefill_tokens."""
+    return {step.key for step in warmup_steps(geometry, decode, prefill)}
 
-    class _Chunk(NamedTuple):
-        token_ids: list[int]
-        start_pos: int
-        page_ids: list[int]
 
-    keys = set()
-    for batch in warmup_batches(geometry, decode, prefill):
-        chunks = [_Chunk([0] * t, s, [0] * math.ceil((s + t) / geometry.page_size))
-                  for t, s in batch]
-        keys.add(prepare_step(chunks, geometry).key)
-    return keys
+class _PageZeroChunk(NamedTuple):
+    token_ids: list[int]
+    start_pos: int
+    page_ids: list[int]
+
+
+def warmup_steps(geometry: StepGeometry, decode: bool = True,
+                 prefill: bool = True) -> list[StepInputs]:
+    """The prepared steps of `warmup_batches`, every token on the reserved page 0."""
+    return [prepare_step([_PageZeroChunk([0] * t, s, [0] * math.ceil((s + t) / geometry.page_size))
+                          for t, s in batch], geometry)
+            for batch in warmup_batches(geometry, decode, prefill)]

@@ -49,11 +49,11 @@ def _embed(hp, tokens):
 
 
 def _layer(lp, k_pool, v_pool, x, positions, md, *, cfg: ModelConfig, mesh: Mesh, impl: str,
-           layout: str, block_pages: int):
+           layout: str, block_pages: int, attend=attn.paged_attention):
     pools: dict[str, jax.Array] = {}
 
     def attention(q, k, v):
-        out, pools["k"], pools["v"] = attn.paged_attention(
+        out, pools["k"], pools["v"] = attend(
             q, k, v, k_pool, v_pool, md, mesh=mesh, impl=impl, layout=layout,
             block_pages=block_pages)
         return out
@@ -112,8 +112,7 @@ class StepPrograms:
         t0 = time.perf_counter()
         hp = abstract(head_params(params))
         t = tokens.shape[0]
-        x = jax.ShapeDtypeStruct((t, params["embed"].shape[1]), params["embed"].dtype,
-                                 sharding=self._replicated)
+        x = self._hidden(t, params)
         if t not in self._compiled_embed:
             self._compiled_embed[t] = self._embed.lower(hp, abstract(tokens)).compile()
         head_key = (t, last_idx.shape[0])
@@ -125,13 +124,17 @@ class StepPrograms:
             abstract(positions), abstract(md)).compile()
         return time.perf_counter() - t0
 
+    def _hidden(self, tokens: int, params: llama.Params) -> jax.ShapeDtypeStruct:
+        """The abstract hidden states [tokens, hidden] the layer and head programs take."""
+        return jax.ShapeDtypeStruct((tokens, params["embed"].shape[1]), params["embed"].dtype,
+                                    sharding=self._replicated)
+
     def memory_bytes(self, key: StepKey, params: llama.Params, pool, tokens, positions, md,
                      last_idx) -> int:
         """Temporary and output bytes of step shape `key`'s layer and head programs per
         device, from XLA's memory analysis (compiled here, not kept: `pool` may be a stand-in)."""
         hp = abstract(head_params(params))
-        x = jax.ShapeDtypeStruct((tokens.shape[0], params["embed"].shape[1]),
-                                 params["embed"].dtype, sharding=self._replicated)
+        x = self._hidden(tokens.shape[0], params)
         layer = self._layers[key[0]].lower(abstract(params["layers"][0]), pool, pool, x,
                                            abstract(positions), abstract(md)).compile()
         head = self._head.lower(hp, x, abstract(last_idx)).compile()
