@@ -2,22 +2,25 @@
 
 Public API (pool format: docs/architecture.md, "KV pool format"):
 
-- ``select_from_kv_caches(kv_caches, page_ids)``: packed ``[n, page_size, heads, head_dim]``
-  per pool entry, same order and sharding as the pool. Bucketed XLA gather
-  (``xla_copy.gather_pages``) followed by a slice to exactly n rows.
-- ``insert_kv_chunks(kv_caches, packed, page_ids, impl="auto", interpret=None)``: the new pool
-  with ``packed[i][j]`` written at page ``page_ids[j]`` of entry i; the pool buffers are
-  donated (do not use ``kv_caches`` afterwards). ``impl``: "xla" (jitted scatter), "pallas"
-  (``pallas_multi_layer_copy``: async DMAs over merged page runs) or "auto" (Pallas on TPU,
-  XLA elsewhere). ``interpret``: run the Pallas kernel in TPU interpret mode; None = on for
-  non-TPU backends.
+- ``select_from_kv_caches(kv_caches, page_ids, padded=False)``: packed
+  ``[rows, page_size, heads, head_dim]`` per pool entry, same order and sharding as the pool.
+  A bucketed XLA gather (``xla_copy.gather_pages``): ``padded=True`` returns it as it is,
+  ``bucket_size(n)`` rows with the n pages first (what P registers for D: no per-count
+  program); ``padded=False`` slices it to exactly n rows.
+- ``insert_kv_chunks(kv_caches, packed, page_ids, impl="auto", interpret=None, first_row=0)``:
+  the new pool with ``packed[i][first_row + j]`` written at page ``page_ids[j]`` of entry i;
+  the pool buffers are donated (do not use ``kv_caches`` afterwards). Rows before
+  ``first_row`` and after the last page are not written (pages D already holds, bucket
+  padding). ``impl``: "xla" (jitted scatter), "pallas" (``pallas_multi_layer_copy``: async
+  DMAs over merged page runs) or "auto" (Pallas on TPU, XLA elsewhere). ``interpret``: run
+  the Pallas kernel in TPU interpret mode; None = on for non-TPU backends.
 
 Both calls accept ``page_ids`` as a list / NumPy / JAX array of ints and validate it.
-Compilation: the heavy executables are keyed on power-of-two buckets of n, so request lengths
-in one bucket share them; exact-n glue (slice of the gathered pages, zero-padding of packed
-pages whose length is not already a bucket) is a separate tiny executable per n. A caller that
-already holds packed arrays of bucket length (``runs.bucket_size(n)`` rows, real pages first)
-avoids the padding copy.
+Compilation: the executables are keyed on power-of-two buckets of the row count, so request
+lengths in one bucket share them. Packed arrays of bucket length (what ``padded=True`` gives,
+and what the PD transfer moves) need nothing else; exact-length ones cost a tiny glue
+executable per distinct length (the slice after the gather, the zero-padding before the
+scatter).
 """
 
 from __future__ import annotations
@@ -60,17 +63,18 @@ def _pool_shardings(kv_caches: tuple):
     return None
 
 
-def select_from_kv_caches(kv_caches, page_ids) -> list[jax.Array]:
-    """Gather pages ``page_ids`` of every pool entry into packed ``[n, ...]`` arrays."""
+def select_from_kv_caches(kv_caches, page_ids, padded: bool = False) -> list[jax.Array]:
+    """Gather pages ``page_ids`` of every pool entry into packed arrays: ``[n, ...]``, or with
+    ``padded`` ``[bucket_size(n), ...]`` (the n pages first, then copies of page 0)."""
     pool = _check_pool(kv_caches)
     ids = _runs.validate_page_ids(page_ids, pool[0].shape[0])
     n = len(ids)
     bucket = bucket_size(n)
     shardings = _pool_shardings(pool)
-    padded = xla_copy.gather_pages(pool, _runs.pad_ids(ids, bucket, 0), shardings=shardings)
-    if n == bucket:
-        return list(padded)
-    return list(xla_copy.take_leading(padded, n, shardings=shardings))
+    gathered = xla_copy.gather_pages(pool, _runs.pad_ids(ids, bucket, 0), shardings=shardings)
+    if padded or n == bucket:
+        return list(gathered)
+    return list(xla_copy.take_leading(gathered, n, shardings=shardings))
 
 
 def _resolve_impl(impl: str) -> str:
@@ -81,7 +85,7 @@ def _resolve_impl(impl: str) -> str:
     return impl
 
 
-def _check_packed(pool: tuple, packed, n: int) -> tuple:
+def _check_packed(pool: tuple, packed, n: int, first_row: int = 0) -> tuple:
     if isinstance(packed, jax.Array) or not isinstance(packed, Sequence):
         raise ValueError(f"packed must be a list of arrays, got {type(packed).__name__}")
     if len(packed) != len(pool):
@@ -99,23 +103,30 @@ def _check_packed(pool: tuple, packed, n: int) -> tuple:
             rows = shape[0]
         elif shape[0] != rows:
             raise ValueError(f"packed[{i}] has {shape[0]} pages; packed[0] has {rows}")
-    if rows != n and rows != bucket_size(n):
-        raise ValueError(f"packed arrays have {rows} pages but page_ids names {n} pages "
-                         f"(allowed: {n}, or the bucket size {bucket_size(n)})")
+    need = first_row + n
+    if rows != need and rows != bucket_size(need):
+        skipped = f" after {first_row} skipped rows" if first_row else ""
+        raise ValueError(f"packed arrays have {rows} pages but page_ids names {n} pages"
+                         f"{skipped} (allowed: {need}, or the bucket size "
+                         f"{bucket_size(need)})")
     return tuple(packed)
 
 
 def insert_kv_chunks(kv_caches, packed, page_ids, impl: str = "auto",
-                     interpret=None) -> list[jax.Array]:
-    """Write packed pages into the pool at ``page_ids``; returns the new pool (input donated)."""
+                     interpret=None, first_row: int = 0) -> list[jax.Array]:
+    """Write packed rows ``first_row, first_row + 1, ...`` into the pool at ``page_ids``;
+    returns the new pool (input donated)."""
     pool = _check_pool(kv_caches)
     impl = _resolve_impl(impl)
     ids = _runs.validate_page_ids(page_ids, pool[0].shape[0], unique=True)
     n = len(ids)
-    packed = _check_packed(pool, packed, n)
+    first_row = int(first_row)
+    if first_row < 0:
+        raise ValueError(f"first_row must be >= 0, got {first_row}")
+    packed = _check_packed(pool, packed, n, first_row)
     if n == 0:
         return list(pool)
-    bucket = bucket_size(n)
+    bucket = bucket_size(first_row + n)
     shardings = _pool_shardings(pool)
     # packed pages live where the pool lives (same devices, same head sharding)
     packed = tuple(
@@ -124,18 +135,29 @@ def insert_kv_chunks(kv_caches, packed, page_ids, impl: str = "auto",
     if packed[0].shape[0] != bucket:
         packed = xla_copy.pad_leading(packed, bucket, shardings=shardings)
     if impl == "xla":
-        num_pages = pool[0].shape[0]
-        out = xla_copy.scatter_pages(pool, packed, _runs.pad_ids(ids, bucket, num_pages),
+        out = xla_copy.scatter_pages(pool, packed, _row_targets(ids, first_row, bucket,
+                                                                pool[0].shape[0]),
                                      shardings=shardings)
         return list(out)
-    return list(pallas_multi_layer_copy.multi_layer_copy(pool, packed, ids, interpret=interpret))
+    return list(pallas_multi_layer_copy.multi_layer_copy(pool, packed, ids, interpret=interpret,
+                                                         first_row=first_row))
 
 
-def insert_kv_pieces(kv_caches, slots, page_ids, offsets) -> list[jax.Array]:
+def _row_targets(ids: np.ndarray, first_row: int, rows: int, num_pages: int) -> np.ndarray:
+    """The pool page of every packed row: ``ids`` from ``first_row`` on, ``num_pages`` (one
+    past the pool: the scatter drops it) for the rows before and after them."""
+    out = np.full((rows,), num_pages, np.int32)
+    out[first_row:first_row + len(ids)] = ids
+    return out
+
+
+def insert_kv_pieces(kv_caches, slots, page_ids, offsets, first_row: int = 0
+                     ) -> list[jax.Array]:
     """Write a reshard's piece slots into head ranges of the pool at ``page_ids`` (XLA, every
-    platform); returns the new pool (input donated). ``slots[i]`` holds entry i's pieces, each
-    sharded like the pool with the same heads per device; ``offsets[k]`` is slot k's first
-    local head on every device."""
+    platform): row ``first_row + j`` of every piece goes to page ``page_ids[j]``, other rows
+    (pages D already holds, bucket padding) are not written. Returns the new pool (input
+    donated). ``slots[i]`` holds entry i's pieces, each sharded like the pool with the same
+    heads per device; ``offsets[k]`` is slot k's first local head on every device."""
     pool = _check_pool(kv_caches)
     ids = _runs.validate_page_ids(page_ids, pool[0].shape[0], unique=True)
     shardings = _pool_shardings(pool)
@@ -144,14 +166,16 @@ def insert_kv_pieces(kv_caches, slots, page_ids, offsets) -> list[jax.Array]:
     if len(slots) != len(pool) or any(len(e) != len(offsets) for e in slots):
         raise ValueError(f"slots must hold {len(offsets)} pieces for each of {len(pool)} "
                          "entries")
+    rows = slots[0][0].shape[0] if slots and slots[0] else 0
     for entry in slots:
         for pc in entry:
-            if pc.shape[0] != len(ids) or pc.shape[1] != pool[0].shape[1] or \
-                    pc.shape[3] != pool[0].shape[3]:
-                raise ValueError(f"piece shape {pc.shape} does not fit {len(ids)} pages of "
-                                 f"the pool {pool[0].shape}")
+            if pc.shape[0] != rows or rows < first_row + len(ids) or \
+                    pc.shape[1] != pool[0].shape[1] or pc.shape[3] != pool[0].shape[3]:
+                raise ValueError(f"piece shape {pc.shape} does not fit {len(ids)} pages "
+                                 f"after {first_row} skipped rows of the pool {pool[0].shape}")
     if len(ids) == 0:
         return list(pool)
     return list(xla_copy.scatter_piece_pages(
-        pool, tuple(tuple(e) for e in slots), np.asarray(ids, dtype=np.int32),
+        pool, tuple(tuple(e) for e in slots),
+        _row_targets(ids, int(first_row), rows, pool[0].shape[0]),
         tuple(int(o) for o in offsets), shardings[0]))

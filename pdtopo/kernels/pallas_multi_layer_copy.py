@@ -30,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
@@ -147,21 +148,26 @@ def _interpret_params(interpret, backend: str, sharded: bool):
     raise ValueError(f"interpret must be None, a bool or pltpu.InterpretParams, got {interpret!r}")
 
 
-def multi_layer_copy(pool: tuple, packed: tuple, page_ids, *, interpret=None) -> tuple:
-    """Write ``packed[e][j]`` to ``pool[e][page_ids[j]]`` for every entry e; pool is donated.
+def multi_layer_copy(pool: tuple, packed: tuple, page_ids, *, interpret=None,
+                     first_row: int = 0) -> tuple:
+    """Write ``packed[e][first_row + j]`` to ``pool[e][page_ids[j]]`` for every entry e; pool
+    is donated.
 
-    ``packed`` entries must already have the bucket length ``runs.bucket_size(len(page_ids))``
-    (real pages first) and the pool's sharding; ``page_ids`` must be validated and unique
-    (``pdtopo.kernels.insert_kv_chunks`` does both).
+    ``packed`` entries must already have the bucket length
+    ``runs.bucket_size(first_row + len(page_ids))`` and the pool's sharding; ``page_ids`` must
+    be validated and unique (``pdtopo.kernels.insert_kv_chunks`` does both).
     """
     ids = page_ids if hasattr(page_ids, "dtype") else _runs.validate_page_ids(
         page_ids, pool[0].shape[0], unique=True)
     bucket = packed[0].shape[0]
-    if bucket != _runs.bucket_size(len(ids)):
+    if bucket != _runs.bucket_size(first_row + len(ids)):
         raise ValueError(f"packed arrays have {bucket} pages; expected the bucket "
-                         f"{_runs.bucket_size(len(ids))} for {len(ids)} page ids")
+                         f"{_runs.bucket_size(first_row + len(ids))} for {len(ids)} page ids "
+                         f"after {first_row} skipped rows")
     max_chunk = _runs.max_chunk_for(bucket, MAX_CHUNK_PAGES)
-    chunks, count = _runs.pad_chunks(_runs.dma_chunks(_runs.page_runs(ids), max_chunk), bucket)
+    runs = _runs.page_runs(ids)
+    runs = runs._replace(src=runs.src + np.int32(first_row))
+    chunks, count = _runs.pad_chunks(_runs.dma_chunks(runs, max_chunk), bucket)
     sharding = pool[0].sharding if isinstance(pool[0].sharding, NamedSharding) else None
     params = _interpret_params(interpret, jax.default_backend(), sharding is not None)
     try:

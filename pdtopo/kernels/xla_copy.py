@@ -11,7 +11,8 @@ Scatter: kv_caches[i].at[ids_padded].set(packed_padded[i], mode="drop") with the
 Pieces:  `scatter_piece_pages` writes a reshard's pieces straight into head ranges of the
          pool (per device, under shard_map: every device writes its own pieces at the same
          local head offsets), skipping the join of the pieces into packed arrays; one executable
-         per page count (no padding: the pieces are written as pulled).
+         per row count (the pieces are written as pulled; rows whose id is past the pool are
+         dropped).
 
 Sharding: the pool's sharding (e.g. heads over "tp") is passed as a static argument and
 imposed on the results with ``with_sharding_constraint``, so packed arrays come out sharded
@@ -72,8 +73,8 @@ def pad_leading(xs: tuple, bucket: int, shardings=None) -> tuple:
 @functools.partial(jax.jit, static_argnames=("offsets", "sharding"), donate_argnums=(0,))
 def scatter_piece_pages(kv_caches: tuple, slots: tuple, ids, offsets: tuple, sharding) -> tuple:
     """Pool entries with piece slot k of entry i written at local heads
-    ``[offsets[k], offsets[k] + heads_k)`` of pages ``ids`` on every device of the pool's
-    mesh. ``slots[i][k]`` is sharded like the pool (heads_k per device)."""
+    ``[offsets[k], offsets[k] + heads_k)`` of pages ``ids`` (one per row; out-of-range ids
+    dropped) on every device of the pool's mesh. ``slots[i][k]`` is sharded like the pool (heads_k per device)."""
     TRACE_COUNTS["scatter_pieces"] += 1
     spec = sharding.spec
 
@@ -81,7 +82,7 @@ def scatter_piece_pages(kv_caches: tuple, slots: tuple, ids, offsets: tuple, sha
         out = []
         for kv, entry in zip(kvs, pieces, strict=True):
             for off, pc in zip(offsets, entry, strict=True):
-                kv = kv.at[ids, :, off:off + pc.shape[2]].set(pc.astype(kv.dtype))
+                kv = kv.at[ids, :, off:off + pc.shape[2]].set(pc.astype(kv.dtype), mode="drop")
             out.append(kv)
         return tuple(out)
 

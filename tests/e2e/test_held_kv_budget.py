@@ -29,7 +29,7 @@ from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import make_scheduler
 from pdtopo.runtime.settings import direct_process_context
 
-BUDGET = 6  # pages of 8 tokens: two 17-token prompts (3 pages each)
+BUDGET = 16  # two 17-token prompts: 3 pages of 8 tokens each, held as the wire's 8 rows
 OVERRIDES = ["model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
              "engine.max_running_requests=8", "disaggregation.kv_timeout_s=15",
              "disaggregation.sender_expiry_s=15", f"disaggregation.max_held_kv_pages={BUDGET}"]
@@ -182,25 +182,26 @@ def test_a_request_waiting_too_long_fails_retryably_and_oversized_prompts_are_re
     p = _prefill(cfg)
     d = FakeDecode(p)
     try:
-        first, late = _req(p, 11, 40), _req(p, 12, 17)  # 5 pages held: 3 more do not fit
+        # 9 pages held as 16 wire rows: the budget; 3 more pages (8 rows) do not fit
+        first, late = _req(p, 11, 72), _req(p, 12, 17)
         for r in (first, late):
             d.want(r.bootstrap_room)
             p.submit(r)
         _steps(p, d, lambda: isinstance(d.got.get(12), m.Failed))
         _, out = late.sink.collect(5)
         assert out.finish_reason["status_code"] == 503, out.finish_reason
-        for key in ("disaggregation.max_held_kv_pages=6", "disaggregation.held_kv_wait_s=0.5",
+        for key in (f"disaggregation.max_held_kv_pages={BUDGET}", "disaggregation.held_kv_wait_s=0.5",
                     "retry"):
             assert key in out.finish_reason["message"], out.finish_reason
         assert d.got[12].status == 503 and "max_held_kv_pages" in d.got[12].reason
-        assert isinstance(d.got[11], m.Ready) and p.held_kv_pages() == 5
+        assert isinstance(d.got[11], m.Ready) and p.held_kv_pages() == BUDGET
 
-        huge = _req(p, 13, 8 * BUDGET + 1)  # 7 pages: can never start here
+        huge = _req(p, 13, 8 * BUDGET + 1)  # 17 pages (32 rows): can never start here
         p.submit(huge)
         _steps(p, d, lambda: huge.finished)
         _, out = huge.sink.collect(5)
         assert out.finish_reason["status_code"] == 400
-        assert "disaggregation.max_held_kv_pages=6" in out.finish_reason["message"]
+        assert f"disaggregation.max_held_kv_pages={BUDGET}" in out.finish_reason["message"]
 
         d.send(m.Done(room=11))
         _steps(p, d, lambda: p.stats()["pd_inflight_senders"] == 0)

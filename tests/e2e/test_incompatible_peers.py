@@ -210,8 +210,9 @@ def test_a_prefill_with_another_tp_serves_the_same_tokens(cluster):
     assert rd2.json()["output_ids"] == rd1.json()["output_ids"]
     assert len(rd2.json()["output_ids"]) == 8
     pulled = pool_state(cluster.url("decode_0"))["pd_pulled_bytes"] - before
-    # 40 tokens = 3 pages of 16; 4 KV heads of 16 floats; 2 layers x (k, v)
-    assert pulled == 3 * 16 * 4 * 16 * 4 * 4, pulled
+    # 40 tokens = 3 pages of 16, moved as the wire's 8 rows; 4 KV heads of 16 floats;
+    # 2 layers x (k, v)
+    assert pulled == 8 * 16 * 4 * 16 * 4 * 4, pulled
     _baseline(cluster, ["decode_0", "prefill_tp2"])
 
 

@@ -246,3 +246,49 @@ def test_throughput_helper_runs_on_tiny_pool(impl):
     assert r["impl"] == impl
     for key in ("scatter", "gather", "numpy_memcpy", "numpy_fancy_scatter"):
         assert r[f"{key}_s"] > 0 and r[f"{key}_gbps"] >= 0
+
+
+@pytest.mark.parametrize("ndev", [1, 2])
+def test_padded_gather_gives_the_bucket_with_the_pages_first(ndev):
+    """What P registers for D: bucket rows, the pages first; every count of a bucket runs the
+    one gather program and no per-count slice."""
+    sharding = _sharding(ndev)
+    rng = np.random.default_rng(13)
+    ref = _pool(rng, num_entries=4)
+    pool = _put(ref, sharding)
+    before = dict(xla_copy.TRACE_COUNTS)
+    for ids in ([9, 3, 4], [1, 2, 3, 4, 5, 6, 7], [12]):
+        got = select_from_kv_caches(pool, ids, padded=True)
+        for g, r in zip(got, ref, strict=True):
+            assert g.shape == (bucket_size(len(ids)), PAGE, HEADS, HEAD_DIM)
+            np.testing.assert_array_equal(np.asarray(g)[:len(ids)], r[np.asarray(ids)])
+            if sharding is not None:
+                assert g.sharding == sharding
+    assert xla_copy.TRACE_COUNTS["take_leading"] == before.get("take_leading", 0)
+    assert xla_copy.TRACE_COUNTS["gather"] - before.get("gather", 0) <= 1
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("first_row", [0, 2, 5])
+def test_scatter_from_a_later_row_writes_only_the_named_pages(impl, first_row):
+    """D drops the leading pages its prefix cache holds by starting at `first_row` of the
+    pulled bucket: the rows before it and the padding after the pages touch nothing."""
+    rng = np.random.default_rng(17 + first_row)
+    ids = [6, 7, 8, 2, 11][: 8 - first_row]
+    bucket = bucket_size(first_row + len(ids))
+    ref = _pool(rng, num_entries=3)
+    packed = [_rand(rng, (bucket, PAGE, HEADS, HEAD_DIM), np.float32) for _ in ref]
+    want = _np_scatter(ref, [p[first_row:first_row + len(ids)] for p in packed], ids)
+    got = insert_kv_chunks(_put(ref, None), _put(packed, None), ids, impl=impl,
+                           first_row=first_row)
+    _assert_pool(got, want)
+
+
+def test_scatter_refuses_rows_that_do_not_fit_first_row():
+    rng = np.random.default_rng(19)
+    ref = _pool(rng, num_entries=2)
+    packed = [_rand(rng, (32, PAGE, HEADS, HEAD_DIM), np.float32) for _ in ref]
+    with pytest.raises(ValueError, match="after 7 skipped rows"):  # 7 + 2 rows: 9 or 16
+        insert_kv_chunks(_put(ref, None), _put(packed, None), [1, 2], impl="xla", first_row=7)
+    with pytest.raises(ValueError, match="first_row must be >= 0"):
+        insert_kv_chunks(_put(ref, None), _put(packed, None), [1], impl="xla", first_row=-1)

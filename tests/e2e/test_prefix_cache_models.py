@@ -14,6 +14,7 @@ import pytest
 from pdtopo.config.compose import compose_config
 from pdtopo.ports import free_port
 from pdtopo.runtime.disagg import messages as m
+from pdtopo.runtime.disagg.base import wire_rows
 from pdtopo.runtime.disagg.side_channel import SideChannel
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner
@@ -109,7 +110,7 @@ def test_decode_prefix_cache_pulls_only_new_pages_and_matches_colocated():
     try:
         rng = np.random.default_rng(11)
         history = [int(t) for t in rng.integers(2, 256, size=4 * PS + 3)]
-        page_bytes = None
+        row_bytes = None
         for turn in range(4):
             prompt = history + [int(t) for t in rng.integers(2, 256, size=6)]
             before = d.stats()
@@ -123,11 +124,12 @@ def test_decode_prefix_cache_pulls_only_new_pages_and_matches_colocated():
             assert pulled + held == pages, (turn, pulled, held, pages)
             if turn == 0:
                 assert held == 0
-                page_bytes = (after["pd_pulled_bytes"] - before["pd_pulled_bytes"]) / pulled
+                row_bytes = (after["pd_pulled_bytes"] - before["pd_pulled_bytes"]) / \
+                    wire_rows(pulled)
             else:  # D kept the conversation so far (every full page with KV): P sends the rest
                 assert held == (len(history) - 1) // PS, (turn, held, len(history))
                 got = after["pd_pulled_bytes"] - before["pd_pulled_bytes"]
-                assert got == (pages - held) * page_bytes, (turn, got, pages, held)
+                assert got == wire_rows(pages - held) * row_bytes, (turn, got, pages, held)
             history = prompt + ids
         idle(colocated, p, d)
         assert d.page_problems() == [] and d.stats()["tree_pages"] > 0

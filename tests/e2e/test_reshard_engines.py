@@ -15,6 +15,7 @@ import pytest
 
 from pdtopo.config.compose import compose_config
 from pdtopo.ports import free_port
+from pdtopo.runtime.disagg.base import wire_rows
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner
 from pdtopo.runtime.model.tokenizer import load_tokenizer
@@ -57,9 +58,11 @@ def pd_all_at_once(p, d, prompts, room0: int) -> list[list[int]]:
     return out
 
 
-def _pool_share(d, pages: int) -> int:
-    """Bytes of `pages` pages of D's whole pool (every entry, every pool head)."""
-    return pages * sum(int(a.nbytes) // int(a.shape[0]) for a in d.runner.kv_caches)
+def _pool_share(d, transfers: list[int]) -> int:
+    """Bytes moved by transfers of these page counts into D's whole pool (every entry, every
+    pool head): each carries the wire's rows (pages and padding, base.wire_rows)."""
+    rows = sum(wire_rows(n) for n in transfers)
+    return rows * sum(int(a.nbytes) // int(a.shape[0]) for a in d.runner.kv_caches)
 
 
 def _start(*scheds):
@@ -95,7 +98,7 @@ def test_tiny_model_pairs_of_different_tp_match_colocated():
             assert pd_all_at_once(p, d, burst, room0=1000 * (k + 1) + 500) == ref_burst, \
                 (p_tp, d_tp)
             pulled = d.stats()["pd_pulled_bytes"] - before
-            assert pulled == _pool_share(d, sum(-(-len(b) // PS) for b in burst)), (p_tp, d_tp)
+            assert pulled == _pool_share(d, [-(-len(b) // PS) for b in burst]), (p_tp, d_tp)
             idle(p, d)
         for s in everyone:
             assert s.page_problems() == [], s
@@ -128,7 +131,7 @@ def test_hf_checkpoint_replicated_kv_heads_across_a_reshard(tmp_path):
         assert [ids for ids, _ in got] == [r.tokens for r in refs]
         idle(p4, d1, d4)
         assert d1.stats()["pd_pulled_bytes"] == \
-            _pool_share(d1, sum(-(-len(pr) // PS) for pr in prompts))
+            _pool_share(d1, [-(-len(pr) // PS) for pr in prompts])
     finally:
         _stop(p4, d1, d4)
 
@@ -154,7 +157,7 @@ def test_decode_prefix_cache_pulls_only_new_pages_through_a_reshard():
             held = after["pd_decode_cached_pages"] - before["pd_decode_cached_pages"]
             assert pulled + held == -(-len(prompt) // PS), turn
             assert after["pd_pulled_bytes"] - before["pd_pulled_bytes"] == \
-                _pool_share(d, pulled), turn
+                _pool_share(d, [pulled]), turn
             if turn:
                 assert held == (len(history) - 1) // PS, turn  # only the new pages moved
             history = prompt + ids

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pdtopo.ports import free_port
+from pdtopo.runtime.disagg.base import wire_rows
 from tests.support.kv_peer import PeerProcess, fill_values
 
 pytestmark = pytest.mark.slow
@@ -55,7 +56,7 @@ def test_reshard_between_layouts(tmp_path, case):
     P = _peer(tmp_path, "prefill", p_tp, p_heads, model_heads, 0)
     D = _peer(tmp_path, "decode", d_tp, d_heads, model_heads, 1)
     try:
-        rooms = {11: ([3, 17, 5, 30, 8], [2, 9, 25, 4, 12]),  # (P pages, D pages): scattered
+        rooms = {11: ([3, 17, 5, 30, 8], [2, 9, 25, 4, 27]),  # (P pages, D pages): scattered
                  12: ([1, 2], [30, 31]),
                  13: (list(range(13, 25)), list(range(10, 22)))}  # 12 pages, several rooms
         for room, (_src, dst) in rooms.items():
@@ -78,8 +79,9 @@ def test_reshard_between_layouts(tmp_path, case):
         np.testing.assert_array_equal(got, expect)
         for room, (src, _dst) in rooms.items():
             st = D.call("state", room=room)
-            # D pulled exactly its pool's share of the pages: every pool head once
-            assert st["pulled_bytes"] == len(src) * PAGE * d_heads * HEAD_DIM * 4 * ENTRIES
+            # D pulled exactly its pool's share of the wire's rows: every pool head once
+            assert st["pulled_bytes"] == \
+                wire_rows(len(src)) * PAGE * d_heads * HEAD_DIM * 4 * ENTRIES
             _wait_state(P, room, ("Success",))
         assert P.call("stats")["registered"] == 0
     finally:

@@ -188,7 +188,9 @@ def test_a_runner_warmed_without_decode_runs_one_token_chunks_flat():
     chunks = [Chunk([5], 3, [1]), Chunk([6], 0, [2])]
     assert prepare_step(chunks, g).key[0] == "decode"
     assert prepare_step(chunks, flat_only).key[0] == "flat"
-    assert shape_grid(flat_only, decode=False) == shape_grid(g, decode=False)
+    one = prepare_step([Chunk([5], 3, [1])], flat_only).key  # a single one-token chunk
+    assert one[:2] == ("flat", 1)
+    assert shape_grid(flat_only, decode=False) == shape_grid(g, decode=False) | {one}
 
     cfg = compose_config(["model.num_layers=2", "engine.page_size=4", "engine.num_pages=16",
                           "engine.max_model_len=32", "engine.max_running_requests=4",
@@ -203,6 +205,9 @@ def test_a_runner_warmed_without_decode_runs_one_token_chunks_flat():
         runner.forward(prompt)
     want = both.forward(step)
     got = prefill_only.forward(step)
+    want_one = both.forward([SeqChunk([14], 3, [3])])
+    got_one = prefill_only.forward([SeqChunk([14], 3, [3])])
     assert prefill_only.compiled_keys() == warmed
+    assert jax.numpy.allclose(got_one, want_one, atol=1e-5)
     assert all(k[0] == "flat" for k in warmed)
     assert jax.numpy.allclose(got, want, atol=1e-5)

@@ -66,7 +66,7 @@ def test_raw_buffers_setting():
 
 
 def test_register_pull_release_sharded(engine):
-    packed = [x[np.array([3, 1])] for x in pool(2, True)]
+    packed = [x[np.array([3, 1] + [0] * 6)] for x in pool(2, True)]  # 2 pages in 8 wire rows
     uuid, deadline = engine.register(5, packed, expire_s=30)
     assert engine.num_registered() == 1 and deadline > time.time()
     specs = PoolTransferSpec.from_kv_caches(pool(2, False)).packed_specs(2)
@@ -120,7 +120,11 @@ def test_fault_injection_fails_cleanly():
 def test_spec_checks():
     p = PoolTransferSpec.from_kv_caches(pool(2, False))
     check_packed_meta(p.packed_meta(3), p.packed_meta(3))
+    assert (p.packed_meta(3).rows, p.packed_meta(3).page_count) == (8, 3)  # the wire's bucket
+    assert p.packed_meta(9).rows == 16 and p.packed_meta(9).nbytes == p.packed_meta(16).nbytes
     with pytest.raises(SpecMismatchError, match="shape"):
+        check_packed_meta(p.packed_meta(3), p.packed_meta(9))
+    with pytest.raises(SpecMismatchError, match="page_count"):
         check_packed_meta(p.packed_meta(3), p.packed_meta(4))
     other = PoolTransferSpec.from_kv_caches(pool(2, False, dtype=np.float16))
     with pytest.raises(SpecMismatchError, match="dtype"):

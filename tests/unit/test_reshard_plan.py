@@ -185,8 +185,9 @@ def test_cut_then_assemble_equals_the_layout_conversion(p_tp, p_pool, d_tp, d_po
     (4, 4, 1, 2, 2),      # replicated on P
     (2, 6, 3, 6, 6),      # D shard 1 takes a head from each P shard: joined first
 ])
+@pytest.mark.parametrize("skip", [0, 2])
 def test_scatter_pieces_writes_what_the_layout_conversion_gives(p_tp, p_pool, d_tp, d_pool,
-                                                                model):
+                                                                model, skip):
     from pdtopo.runtime.disagg.base import PoolTransferSpec
     from pdtopo.runtime.disagg.jax_transfer import scatter_pieces
     from pdtopo.runtime.disagg.reshard_arrays import slot_offsets, zero_pieces
@@ -199,7 +200,8 @@ def test_scatter_pieces_writes_what_the_layout_conversion_gives(p_tp, p_pool, d_
     pieces = plan_pieces(p_layout, d_layout)
     assert (slot_offsets(pieces, d_layout) is None) == (d_tp == 3)
     rng = np.random.default_rng(0)
-    entries = [rng.standard_normal((3, 2, model, 8)).astype(np.float32) for _ in range(2)]
+    # the wire's 8 rows (wire_rows(skip + 3)): `skip` pages D holds, the 3 it takes, padding
+    entries = [rng.standard_normal((8, 2, model, 8)).astype(np.float32) for _ in range(2)]
     packed = [jax.device_put(np.repeat(e, p_pool // model, axis=2), p_sharding)
               for e in entries]
     d_devices = list(d_sharding.mesh.devices.flat)
@@ -208,15 +210,16 @@ def test_scatter_pieces_writes_what_the_layout_conversion_gives(p_tp, p_pool, d_
     pool = [jax.device_put(np.zeros((8, 2, d_pool, 8), np.float32), d_sharding)
             for _ in range(2)]
     spec_d = PoolTransferSpec.from_kv_caches(pool)
-    assert len(zero_pieces(3, spec_d, d_layout, pieces, 2)) == len(landed)
+    assert len(zero_pieces(8, spec_d, d_layout, pieces, 2)) == len(landed)
 
-    def fallback(kv, p, ids):
-        return [k.at[np.asarray(ids)].set(x) for k, x in zip(kv, p, strict=True)]
+    def fallback(kv, p, ids, first_row):
+        return [k.at[np.asarray(ids)].set(x[first_row:first_row + len(ids)])
+                for k, x in zip(kv, p, strict=True)]
 
-    out = scatter_pieces(pool, landed, list(pieces), pieces, d_layout, spec_d, [6, 1, 4], 0,
+    out = scatter_pieces(pool, landed, list(pieces), pieces, d_layout, spec_d, [6, 1, 4], skip,
                          fallback)
     for got, e in zip(out, entries, strict=True):
         want = np.zeros((8, 2, d_pool, 8), np.float32)
-        want[[6, 1, 4]] = np.repeat(e, d_pool // model, axis=2)
+        want[[6, 1, 4]] = np.repeat(e[skip:skip + 3], d_pool // model, axis=2)
         assert got.sharding == d_sharding
         np.testing.assert_array_equal(np.asarray(got), want)

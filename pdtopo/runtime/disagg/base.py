@@ -5,7 +5,11 @@
   implemented; other types are rejected with a clear error when `KVArgs` is built.
 - `KVArgs.pools: list[PoolTransferSpec]` (the list shape is accepted; exactly one main_kv).
 - `PackedMeta`: the wire description of the packed arrays of one pool for one request (shape of
-  each packed array, dtype, sharding as mesh axes + partition spec). P announces it in `ready`;
+  each packed array, dtype, sharding as mesh axes + partition spec, and how many of its rows
+  are KV pages). The arrays have `wire_rows(pages)` rows, a power of two: the pages first,
+  then padding, so both sides compile one gather and one scatter per bucket of page counts,
+  never one per count (the price: up to twice the pages' bytes, or 8 pages for fewer). P
+  announces it in `ready`;
   D builds its own from its pool and refuses to pull unless both are equal
   (`check_packed_meta`), because jax.experimental.transfer matches buffers only by shard
   index and byte size (a mismatch is silently wrong data).
@@ -26,6 +30,14 @@ import numpy as np
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 
 MAIN_KV = "main_kv"
+
+
+def wire_rows(num_pages: int) -> int:
+    """Rows of the packed arrays that carry `num_pages` KV pages: the power-of-two bucket the
+    gather and scatter programs are compiled for (pdtopo.kernels.bucket_size)."""
+    from pdtopo.kernels.runs import bucket_size  # deferred: pdtopo.kernels imports JAX
+
+    return bucket_size(int(num_pages))
 SUPPORTED_POOL_TYPES = (MAIN_KV,)
 KNOWN_POOL_TYPES = (MAIN_KV, "recurrent_state", "draft_kv")
 
@@ -119,16 +131,18 @@ class PoolTransferSpec:
     def packed_meta(self, num_pages: int) -> PackedMeta:
         """What the packed arrays of `num_pages` pages of this pool look like."""
         return PackedMeta(name=self.name, pool_type=self.pool_type, dtype=self.dtype,
-                          shape=(int(num_pages), *self.shape[1:]),
+                          shape=(wire_rows(num_pages), *self.shape[1:]),
                           num_entries=self.num_entries,
                           sharding=sharding_meta(self.sharding) if self.sharding is not None
-                          else {"kind": "single", "mesh": [], "spec": [], "num_devices": 1})
+                          else {"kind": "single", "mesh": [], "spec": [], "num_devices": 1},
+                          pages=int(num_pages))
 
     def packed_specs(self, num_pages: int) -> list[Any]:
-        """ShapeDtypeStructs (with this pool's sharding) to pull `num_pages` packed pages."""
+        """ShapeDtypeStructs (with this pool's sharding) to pull `num_pages` packed pages
+        (`wire_rows(num_pages)` rows each)."""
         import jax  # deferred: the disaggregation modules stay importable without JAX
 
-        shape = (int(num_pages), *self.shape[1:])
+        shape = (wire_rows(num_pages), *self.shape[1:])
         return [jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.sharding)
                 for _ in range(self.num_entries)]
 
@@ -143,9 +157,19 @@ class PackedMeta:
     shape: tuple[int, ...]
     num_entries: int
     sharding: dict[str, Any]
+    pages: int | None = None  # KV pages in the leading rows (None: every row is one)
+
+    def __post_init__(self) -> None:
+        if self.pages is None and self.shape:  # one spelling per meaning: equal metas compare equal
+            object.__setattr__(self, "pages", int(self.shape[0]))
 
     @property
     def page_count(self) -> int:
+        return int(self.pages if self.pages is not None else 0)
+
+    @property
+    def rows(self) -> int:
+        """Rows of each packed array (what is moved and held: pages and padding)."""
         return int(self.shape[0])
 
     @property
@@ -161,7 +185,7 @@ class PackedMeta:
 
     @classmethod
     def from_arrays(cls, arrays: Sequence[Any], name: str = MAIN_KV,
-                    pool_type: str = MAIN_KV) -> PackedMeta:
+                    pool_type: str = MAIN_KV, pages: int | None = None) -> PackedMeta:
         if not arrays:
             raise ValueError("cannot describe an empty list of packed arrays")
         first = arrays[0]
@@ -171,7 +195,7 @@ class PackedMeta:
                                  f"{first.shape} {first.dtype}")
         return cls(name=name, pool_type=pool_type, dtype=str(first.dtype),
                    shape=tuple(int(d) for d in first.shape), num_entries=len(arrays),
-                   sharding=sharding_meta(first.sharding))
+                   sharding=sharding_meta(first.sharding), pages=pages)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "pool_type": self.pool_type, "dtype": self.dtype,
@@ -183,12 +207,13 @@ class PackedMeta:
     def from_dict(cls, d: dict[str, Any]) -> PackedMeta:
         return cls(name=d["name"], pool_type=d["pool_type"], dtype=d["dtype"],
                    shape=tuple(int(x) for x in d["shape"]), num_entries=int(d["num_entries"]),
-                   sharding=dict(d["sharding"]))
+                   sharding=dict(d["sharding"]),
+                   pages=int(d["page_count"]) if d.get("page_count") is not None else None)
 
 
 def check_packed_meta(announced: PackedMeta, expected: PackedMeta) -> None:
     """Raise SpecMismatchError naming the first field where P's announcement differs."""
-    for fld in ("name", "pool_type", "dtype", "shape", "num_entries"):
+    for fld in ("name", "pool_type", "dtype", "shape", "page_count", "num_entries"):
         a, e = getattr(announced, fld), getattr(expected, fld)
         if a != e:
             raise SpecMismatchError(

@@ -67,6 +67,7 @@ from pdtopo.runtime.disagg.base import (
     PoolTransferSpec,
     SpecMismatchError,
     check_packed_meta,
+    wire_rows,
 )
 from pdtopo.runtime.disagg.curve import deployment_keys, side_channel_curve
 from pdtopo.runtime.disagg.kvpoll import KVPoll, KVPollState
@@ -78,21 +79,23 @@ from pdtopo.runtime.worker_threads import server_fault
 
 log = logging.getLogger(__name__)
 
+# gather(kv_caches, page_ids) -> packed arrays of wire_rows(len(page_ids)) rows, pages first
 GatherFn = Callable[[list[Any], Sequence[int]], list[Any]]
-ScatterFn = Callable[[list[Any], list[Any], Sequence[int]], list[Any]]
+# scatter(kv_caches, packed, page_ids, first_row) -> the pool with rows first_row.. written
+ScatterFn = Callable[[list[Any], list[Any], Sequence[int], int], list[Any]]
 
 
 def _default_gather(kv_caches, page_ids):
     from pdtopo.kernels import select_from_kv_caches  # deferred: the kernels import JAX
 
-    return select_from_kv_caches(kv_caches, page_ids)
+    return select_from_kv_caches(kv_caches, page_ids, padded=True)
 
 
 def _make_default_scatter(impl: str) -> ScatterFn:
-    def scatter(kv_caches, packed, page_ids):
+    def scatter(kv_caches, packed, page_ids, first_row=0):
         from pdtopo.kernels import insert_kv_chunks  # deferred: the kernels import JAX
 
-        return insert_kv_chunks(kv_caches, packed, page_ids, impl=impl)
+        return insert_kv_chunks(kv_caches, packed, page_ids, impl=impl, first_row=first_row)
 
     return scatter
 
@@ -133,13 +136,9 @@ def scatter_pieces(kv_caches: list[Any], pulled: list[Any], mine: list[Any],
     offsets = slot_offsets(pieces, layout)
     if offsets is None:
         packed = assemble(pulled, mine, layout, pool.sharding, pool.num_entries)
-        if skip:
-            packed = [a[skip:] for a in packed]
-        return scatter_fn(kv_caches, packed, page_ids)
+        return scatter_fn(kv_caches, packed, page_ids, skip)
     slots = piece_slots(pulled, mine, layout, pool.sharding, pool.num_entries)
-    if skip:
-        slots = [[a[skip:] for a in entry] for entry in slots]
-    return insert_kv_pieces(kv_caches, slots, page_ids, offsets)
+    return insert_kv_pieces(kv_caches, slots, page_ids, offsets, first_row=skip)
 
 
 def instance_transfer_addrs(ctx: Any) -> list[str] | None:
@@ -395,8 +394,7 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                     msg, p_layout, count, remaining, room=self.room)
                 self._reshard = (mine, pieces)
             else:
-                self._future = self.mgr._pull(msg, main.packed_specs(count), remaining,
-                                              room=self.room)
+                self._future = self.mgr._pull(msg, count, remaining, room=self.room)
             if hasattr(self._future, "add_done_callback"):  # the pull thread's own end time
                 self._future.add_done_callback(self._pulled)
         except Exception as e:  # whatever P announced, the scheduler thread goes on
@@ -541,19 +539,21 @@ class JaxTransferKVManager(BaseKVManager):
 
     def warmup_kernels(self, role: str, max_pages: int,
                        peer_layouts: Sequence[KVShardLayout] = ()) -> int:
-        """Compile the pool gather (P) or scatter (D) for every page count a request can have,
-        so serving never compiles them (each new count costs ~30 ms, a new bucket ~100 ms),
-        and the reshard cuts (P) or joins (D) for every peer layout in `peer_layouts` unlike
-        this pool's. Call before serving, while every pool page is free: P reads pages 1..n,
-        D writes zeros over the zeros there. Skipped on a multi-process instance (its other
-        processes would have to run the same programs in lockstep). Returns the page counts
-        warmed."""
+        """Compile the pool gather (P) or scatter (D) for every bucket of page counts a
+        request can have (`wire_rows`: the packed arrays of every count in a bucket have the
+        same shape), so serving never compiles them, and the reshard cuts (P) or joins (D) for
+        every peer layout in `peer_layouts` unlike this pool's. Call before serving, while
+        every pool page is free: P reads pages 1..b, D writes zeros over the zeros there.
+        Skipped on a multi-process instance (its other processes would have to run the same
+        programs in lockstep). Returns the buckets warmed."""
         import jax  # deferred: the disaggregation modules stay importable without JAX
 
         if self.runner is None or self.mirror is not None:
             return 0
         spec = self.args.main
-        counts = range(1, min(int(max_pages), int(spec.shape[0]) - 1) + 1)
+        most = min(int(max_pages), int(spec.shape[0]) - 1)
+        # the largest count of each bucket that fits in the pool (pages 1.., page 0 reserved)
+        counts = sorted({min(wire_rows(n), most) for n in range(1, most + 1)})
         for n in counts:
             pages = list(range(1, n + 1))
             if role == "prefill":
@@ -561,7 +561,7 @@ class JaxTransferKVManager(BaseKVManager):
             else:
                 zeros = [jax.device_put(np.zeros(s.shape, s.dtype), s.sharding)
                          for s in spec.packed_specs(n)]
-                self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, zeros, pages)
+                self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, zeros, pages, 0)
                 jax.block_until_ready(self.runner.kv_caches)
         from pdtopo.runtime.disagg.reshard_arrays import warm_cuts, zero_pieces  # deferred: JAX
 
@@ -569,11 +569,12 @@ class JaxTransferKVManager(BaseKVManager):
             if same_layout(peer, self.layout):
                 continue
             if role == "prefill":
-                warm_cuts(counts, spec, self.layout, plan_pieces(self.layout, peer))
+                warm_cuts([wire_rows(n) for n in counts], spec, self.layout,
+                          plan_pieces(self.layout, peer))
                 continue
             pieces = plan_pieces(peer, self.layout)
             for n in counts:
-                zeros = zero_pieces(n, spec, self.layout, pieces, spec.num_entries)
+                zeros = zero_pieces(wire_rows(n), spec, self.layout, pieces, spec.num_entries)
                 self.runner.kv_caches = scatter_pieces(
                     self.runner.kv_caches, zeros, list(pieces), pieces, self.layout, spec,
                     list(range(1, n + 1)), 0, self.scatter_fn)
@@ -699,7 +700,7 @@ class JaxTransferKVManager(BaseKVManager):
             self.mirror.register(room, page_ids, uuid, self.sender_expiry_s,
                                  target.to_dict() if reshard else None)
         packed = self.gather_fn(self.runner.kv_caches, page_ids)
-        meta = PackedMeta.from_arrays(packed, name=self.args.main.name)
+        meta = PackedMeta.from_arrays(packed, name=self.args.main.name, pages=len(page_ids))
         if reshard:
             from pdtopo.runtime.disagg.reshard_arrays import register_parts  # deferred: JAX
 
@@ -799,7 +800,7 @@ class JaxTransferKVManager(BaseKVManager):
         p_addrs = list(msg.transfer_addrs or [msg.transfer_addr])
 
         def specs_of(group: list[Any]) -> list[Any]:
-            return piece_specs(count, main.page_size, main.shape[3], main.dtype,
+            return piece_specs(wire_rows(count), main.page_size, main.shape[3], main.dtype,
                                main.num_entries, group, main.sharding, self.layout)
 
         try:
@@ -827,12 +828,13 @@ class JaxTransferKVManager(BaseKVManager):
                                                self.layout, self.args.main, page_ids, skip,
                                                self.scatter_fn)
 
-    def _pull(self, msg: m.Ready, specs: list[Any], timeout_s: float, *, room: int) -> Any:
-        """Start D's pull of `msg`'s KV; a Future of the pulled packed arrays."""
-        fut = self.engine.pull(msg.transfer_addr, msg.transfer_uuid, specs, timeout_s, room=room)
+    def _pull(self, msg: m.Ready, count: int, timeout_s: float, *, room: int) -> Any:
+        """Start D's pull of `msg`'s KV (`count` pages); a Future of the pulled packed
+        arrays."""
+        fut = self.engine.pull(msg.transfer_addr, msg.transfer_uuid,
+                               self.args.main.packed_specs(count), timeout_s, room=room)
         if self.mirror is not None:  # complete only when every process has its shards
-            num_pages = int(specs[0].shape[0])
-            fut = self.mirror.pull(room, msg.transfer_addr, msg.transfer_uuid, num_pages,
+            fut = self.mirror.pull(room, msg.transfer_addr, msg.transfer_uuid, count,
                                    timeout_s, fut)
         return fut
 
@@ -844,9 +846,7 @@ class JaxTransferKVManager(BaseKVManager):
         assert page_ids is not None
         if self.mirror is not None:
             self.mirror.scatter(room, page_ids, skip)
-        if skip:
-            packed = [a[skip:] for a in packed]
-        self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, packed, page_ids)
+        self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, packed, page_ids, skip)
 
     def _finish_sender(self, s: JaxTransferKVSender) -> None:
         if self._senders.get(s.room) is s:

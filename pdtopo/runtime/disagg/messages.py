@@ -146,6 +146,9 @@ def _pool(d: Any, i: int) -> PackedMeta:
                            f"num_entries {meta.num_entries}")
     if not isinstance(meta.sharding.get("num_devices"), int):
         raise MessageError(f"ready message: pools[{i}].sharding.num_devices must be an int")
+    if not 0 <= meta.page_count <= meta.rows:
+        raise MessageError(f"ready message: pools[{i}] carries page_count {meta.page_count} "
+                           f"pages in {meta.rows} rows")
     return meta
 
 

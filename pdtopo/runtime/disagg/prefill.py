@@ -32,7 +32,7 @@ import logging
 import time
 from typing import Any
 
-from pdtopo.runtime.disagg.base import KVTransferError
+from pdtopo.runtime.disagg.base import KVTransferError, wire_rows
 from pdtopo.runtime.disagg.held_budget import HeldKVBudget
 from pdtopo.runtime.disagg.kvpoll import KVPoll
 from pdtopo.runtime.disagg.messages import prefix_digest
@@ -127,14 +127,19 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
 
     # ------------------------------------------------------------------ held-KV budget
     def held_kv_pages(self) -> int:
-        """Pages of the packed copies announced for D's pull and not yet released."""
-        return sum(s.ready_msg.pools[0].page_count for s in self._inflight
+        """Pages of the packed copies announced for D's pull and not yet released (their
+        rows: the KV pages and the padding to the wire's bucket, base.wire_rows)."""
+        return sum(s.ready_msg.pools[0].rows for s in self._inflight
                    if s.ready_msg is not None and not s.last_state.terminal)
+
+    def held_pages_for(self, prompt_len: int) -> int:
+        """The most pages the packed copy of a `prompt_len`-token prompt can hold."""
+        return wire_rows(self.pages_for(prompt_len))
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> str | None:
         err = super().check_fits(prompt_len, max_new_tokens)
         if err is None:
-            err = self.held_budget.prompt_problem(self.pages_for(prompt_len), prompt_len)
+            err = self.held_budget.prompt_problem(self.held_pages_for(prompt_len), prompt_len)
         return err
 
     def may_start(self, req: Req) -> bool:
@@ -142,7 +147,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         # a health check makes no copy; an admitted request (a later chunk) holds its place:
         # only a new one sums the held pages (once per waiting request per step at most)
         if req.rid in self._senders and not budget.is_admitted(req.rid) and not budget.admits(
-                req.rid, self.pages_for(len(req.prompt_ids)), self.held_kv_pages()):
+                req.rid, self.held_pages_for(len(req.prompt_ids)), self.held_kv_pages()):
             return False
         return super().may_start(req)
 
@@ -158,7 +163,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         unless the first of them fits now (the copies it waited for are gone)."""
         waiting = self._budget_waiting()
         held = self.held_kv_pages()
-        if not waiting or self.held_budget.fits(self.pages_for(len(waiting[0].prompt_ids)), held):
+        if not waiting or self.held_budget.fits(self.held_pages_for(len(waiting[0].prompt_ids)),
+                                                held):
             return
         now = time.monotonic()
         for req in waiting:

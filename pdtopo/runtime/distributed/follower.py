@@ -40,7 +40,7 @@ from pdtopo.kernels import insert_kv_chunks, select_from_kv_caches
 from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
 from pdtopo.runtime.compilation_cache import enable_compilation_cache
-from pdtopo.runtime.disagg.base import PoolTransferSpec
+from pdtopo.runtime.disagg.base import PoolTransferSpec, wire_rows
 from pdtopo.runtime.disagg.jax_transfer import scatter_pieces
 from pdtopo.runtime.disagg.mixin_base import model_identity
 from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces
@@ -158,7 +158,7 @@ class Follower:
 
     def _op_p_register(self, msg: dict[str, Any]) -> None:
 
-        packed = select_from_kv_caches(self.runner.kv_caches, msg["page_ids"])
+        packed = select_from_kv_caches(self.runner.kv_caches, msg["page_ids"], padded=True)
         if msg.get("target"):
             pieces = plan_pieces(self.layout, KVShardLayout.from_dict(msg["target"]))
             register_parts(self.engine, int(msg["room"]), packed, self.layout, pieces,
@@ -214,7 +214,7 @@ class Follower:
             mine = pieces_of_d_process(pieces, self.process_index)
 
             def specs_of(group: list[Any]) -> list[Any]:
-                return piece_specs(count, pool.page_size, pool.shape[3], pool.dtype,
+                return piece_specs(wire_rows(count), pool.page_size, pool.shape[3], pool.dtype,
                                    pool.num_entries, group, pool.sharding, self.layout)
 
             fut = pull_parts(self.engine, room, list(info["p_addrs"]), int(msg["uuid"]), mine,
@@ -246,12 +246,13 @@ class Follower:
         if pieces is not None:
             self.runner.kv_caches = scatter_pieces(
                 self.runner.kv_caches, packed, *pieces, self.layout, self.pool, msg["page_ids"],
-                skip, lambda kv, p, ids: insert_kv_chunks(kv, p, ids, impl=self.kernels_impl))
+                skip, lambda kv, p, ids, first: insert_kv_chunks(
+                    kv, p, ids, impl=self.kernels_impl, first_row=first))
             return
-        if skip:  # pages D's prefix cache already holds: pulled, not written
-            packed = [a[skip:] for a in packed]
+        # the first `skip` rows: pages D's prefix cache already holds (pulled, not written)
         self.runner.kv_caches = insert_kv_chunks(self.runner.kv_caches, packed,
-                                                 msg["page_ids"], impl=self.kernels_impl)
+                                                 msg["page_ids"], impl=self.kernels_impl,
+                                                 first_row=skip)
 
     def _op_d_drop(self, msg: dict[str, Any]) -> None:
         self.pulls.pop(int(msg["room"]), None)

@@ -262,7 +262,7 @@ def warmup_batches(geometry: StepGeometry, decode: bool = True,
             batches.append([(1, 0)] * b)
             b *= 2
     if prefill:
-        t = 2
+        t = 2 if geometry.decode_layout else 1  # else one-token chunks run flat too
         while t <= bucket(geometry.max_prefill_tokens):
             if math.ceil(t / geometry.page_size) <= geometry.max_pages:
                 batches.append([(t, 0)])

@@ -46,7 +46,7 @@ class LocalPrefillMixin(LocalEngineMixin):
             return  # finished with its first token (length 1, EOS, stop string)
         prompt_len = len(req.prompt_ids)
         packed = select_from_kv_caches(self.runner.kv_caches,
-                                       req.page_ids[: self.pages_for(prompt_len)])
+                                       req.page_ids[: self.pages_for(prompt_len)], padded=True)
         self.release_kv(req, keep=True)  # packed holds copies; full pages stay cached
         self.reqs.pop(req.rid, None)
         item = TransferItem(req=req, packed=packed, prompt_len=prompt_len,

@@ -1,8 +1,9 @@
 """The transfer stage: prefill engines -> transfer thread -> decode engines' backlogs.
 
 `TransferItem`: a request whose prompt was prefilled (first output token already emitted) and
-its prompt KV as packed per-entry arrays `[n_pages, page_size, kv_heads, head_dim]` gathered
-from the prefill pool (copies: the prefill pages are already free again).
+its prompt KV as packed per-entry arrays `[rows, page_size, kv_heads, head_dim]` gathered
+from the prefill pool (copies: the prefill pages are already free again; the prompt's pages
+first, `rows` their power-of-two bucket, so every program on the way compiles per bucket).
 `TransferWorker.run()` (the transfer thread) takes items from the bounded transfer backlog,
 picks the decode engine with the fewest active requests (`DecodeLoad`), moves the packed arrays
 onto that engine's KV sharding with `jax.device_put` (device to device inside the process: ICI
@@ -106,7 +107,7 @@ class TransferWorker:
         item.packed = jax.block_until_ready(jax.device_put(packed, runner.kv_sharding))
         item.target = i
         self.stats.add(time.perf_counter() - t0, sum(int(a.nbytes) for a in item.packed),
-                       int(item.packed[0].shape[0]))
+                       -(-item.prompt_len // runner.page_size))  # rows past these: padding
         if not put_until(engine.backlog, item, self.stopping):
             self.unplaced.append(item)
             return
