@@ -19,6 +19,7 @@ PATTERNS = (
     (re.compile(r"loading weights: (\d+/\d+) tensors"), "loading weights {} tensors"),
     (re.compile(r"compiled step shape (\d+/\d+)"), "compiled step shape {}"),
     (re.compile(r"^warmup: "), "running warmup steps"),
+    (re.compile(r"^warmed KV (gather|scatter) (\d+/\d+)"), "compiled KV {} {}"),
     (re.compile(r"^loading model "), "loading model"),
     (re.compile(r"^model loaded "), "warming up"),
 )

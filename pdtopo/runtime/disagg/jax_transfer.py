@@ -554,7 +554,9 @@ class JaxTransferKVManager(BaseKVManager):
         most = min(int(max_pages), int(spec.shape[0]) - 1)
         # the largest count of each bucket that fits in the pool (pages 1.., page 0 reserved)
         counts = sorted({min(wire_rows(n), most) for n in range(1, most + 1)})
-        for n in counts:
+        what = "gather" if role == "prefill" else "scatter"
+        for i, n in enumerate(counts, 1):
+            t0 = time.perf_counter()
             pages = list(range(1, n + 1))
             if role == "prefill":
                 jax.block_until_ready(self.gather_fn(self.runner.kv_caches, pages))
@@ -563,6 +565,8 @@ class JaxTransferKVManager(BaseKVManager):
                          for s in spec.packed_specs(n)]
                 self.runner.kv_caches = self.scatter_fn(self.runner.kv_caches, zeros, pages, 0)
                 jax.block_until_ready(self.runner.kv_caches)
+            log.info("warmed KV %s %d/%d (%d wire rows) in %.2fs", what, i, len(counts),
+                     wire_rows(n), time.perf_counter() - t0)
         from pdtopo.runtime.disagg.reshard_arrays import warm_cuts, zero_pieces  # deferred: JAX
 
         for peer in dict.fromkeys(peer_layouts):

@@ -64,26 +64,10 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         self.pd_metrics.max_held_kv_pages.set(self.held_budget.max_pages)
 
     def warmup(self) -> None:
-        """P samples only first tokens of prefill batches, whose logits always have the flat
-        layout's rows (P's runner runs no decode layout: `ModelRunner.warmup(decode=False)`):
-        compile the sampler for that row count on logits shaped and sharded like the
-        runner's, without the decode steps the engine's warmup would run to make them; then
-        the KV gather for every page count."""
-        # deferred: the disaggregation modules stay importable without JAX
-        import jax
-        import jax.numpy as jnp
-
-        from pdtopo.runtime.engine.sampling import RowParams
-
-        (page,) = self.allocator.alloc(1)
-        try:
-            logits = self.runner.forward([self.make_chunk([0], 0, [page])])
-        finally:
-            self.allocator.free([page])
-        n = self.runner.geometry.max_rows  # the rows of every flat step's logits
-        rows = jax.device_put(jnp.zeros((n, logits.shape[1]), logits.dtype), logits.sharding)
-        self.sampler.sample(rows, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
-        self.sampler.sample(rows, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
+        """The sampler (Scheduler.warmup: P's runner runs no decode layout, so its logits
+        always have the flat layout's rows), then the KV gather for every bucket of page
+        counts."""
+        super().warmup()
         self.kv_manager.warmup_kernels("prefill", self.runner.max_pages_per_seq,
                                        self.decode_layouts)
 

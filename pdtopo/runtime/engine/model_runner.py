@@ -306,6 +306,10 @@ class ModelRunner:
             logits = logits.addressable_data(0)
         return logits if padded else logits[: len(chunks)]
 
+    def logits_rows(self, chunks: list[SeqChunk]) -> int:
+        """Rows of the padded logits `forward(chunks, padded=True)` returns (nothing runs)."""
+        return int(prepare_step(chunks, self.geometry).last_idx.shape[0])
+
     def shape_grid(self, decode: bool = True, prefill: bool = True) -> set[tuple]:
         """The step shapes `warmup(decode, prefill)` compiles (see step_inputs.shape_grid)."""
         return shape_grid(self.geometry, decode, prefill)

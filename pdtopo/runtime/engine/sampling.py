@@ -8,7 +8,7 @@ colocated server. Rows with temperature 0 or top_k 1 take the argmax.
 `Sampler.sample(logits, reqs_params)` takes the runner's logits `[n, vocab]` (n may be larger
 than the number of requests: padding rows are ignored) and returns a NumPy int array of n' token
 ids. Two compiled programs per row count: an argmax-only one (whole batch greedy) and the full
-one. `Sampler.warmup(row_counts)` compiles both ahead of serving.
+one. `Sampler.warmup(row_counts, like)` compiles both ahead of serving.
 """
 
 from __future__ import annotations
@@ -100,8 +100,10 @@ class Sampler:
         out = _sample(logits, temperature, top_k, top_p, seed_hi, seed_lo, step)
         return np.asarray(jax.device_get(out))[:n]
 
-    def warmup(self, row_counts: Iterable[int], vocab: int, dtype=jnp.float32) -> None:
+    def warmup(self, row_counts: Iterable[int], like: jax.Array) -> None:
+        """Compile greedy and random sampling for logits of each row count, on zeros with
+        the vocabulary, dtype and sharding of `like` (a real step's logits)."""
         for n in sorted(set(row_counts)):
-            logits = jnp.zeros((n, vocab), dtype)
+            logits = jax.device_put(np.zeros((n, like.shape[1]), like.dtype), like.sharding)
             self.sample(logits, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
             self.sample(logits, [RowParams(1.0, -1, 1.0, 0, 0)] * n)

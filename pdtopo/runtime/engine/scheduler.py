@@ -200,19 +200,22 @@ class Scheduler:
                 log.warning("scheduler thread did not stop within %.0fs", timeout)
 
     def warmup(self) -> None:
-        """Compile the sampler for every batch bucket the loop can produce (call before
-        `start()`); uses real runner logits so shardings match. Borrows one page, then frees it."""
-        make = SeqChunk
+        """Compile the sampler for every row count of logits the loop can produce (call before
+        `start()`): the batch buckets of one-token steps and the flat layout's rows. One real
+        step runs (on one borrowed page, then freed) for logits shaped and sharded like
+        serving's; the other row counts compile on zeros like them, without running steps."""
         (page,) = self.allocator.alloc(1)
         try:
+            chunk = SeqChunk([0], 0, [page])
+            logits = self.runner.forward([chunk], padded=True)
+            rows = {self.runner.geometry.max_rows}
             n = 1
-            while n < 2 * self.max_running:  # padded logits: one row count per batch bucket
-                logits = self.runner.forward([make([0], 0, [page]) for _ in range(n)], padded=True)
-                self.sampler.sample(logits, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
-                self.sampler.sample(logits, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
+            while n < 2 * self.max_running:
+                rows.add(self.runner.logits_rows([chunk] * n))
                 n *= 2
         finally:
             self.allocator.free([page])
+        self.sampler.warmup(rows, like=logits)
 
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
