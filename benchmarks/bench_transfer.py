@@ -236,8 +236,8 @@ def bench_hetero(sizes_mb, reps, sockets, transfer_size_mb, raw_buffers) -> list
                           for _ in range(HETERO_ENTRIES)]}
         spec = PoolTransferSpec.from_kv_caches(state["pool"])
 
-        def scatter(kv, packed, ids):
-            return insert_kv_chunks(kv, packed, ids, impl="xla")
+        def scatter(kv, packed, ids, first_row=0):
+            return insert_kv_chunks(kv, packed, ids, impl="xla", first_row=first_row)
 
         rows = []
         for mb in sizes_mb:
