@@ -65,6 +65,9 @@ def test_scale_out_then_in_under_load(tmp_path_factory):
         before = {name: pid for name, (_state, pid) in sv.states().items()}
         expected = generate(dep.proxy_url, {"text": PROMPT, "sampling_params": GREEDY})
         plan_before = (run_dir / "plan.json").read_text()
+        # the launcher told the router of each server once healthy, and the router's own
+        # registration of the same URLs later was refused as a duplicate: each listed once
+        assert router_workers(dep.proxy_url) == planned_workers(json.loads(plan_before))
 
         too_many = run_pdtopo(["scale", "prefill=5", str(run_dir)], timeout=60)
         assert too_many.returncode == 2, too_many.stdout + too_many.stderr

@@ -12,10 +12,12 @@ import pytest
 
 from pdtopo.config.compose import compose_config
 from pdtopo.launcher.operate.health import (
+    WorkerAnnouncer,
     loading_detail,
     router_workers_ready,
     wait_for_programs,
 )
+from pdtopo.launcher.operate.router_admin import RouterAdmin
 from pdtopo.launcher.plan.expand import expand_plan
 
 
@@ -159,3 +161,87 @@ def test_progress_is_shown_while_loading_and_cleared_once_healthy():
     # an empty answer (between two log lines) keeps the last progress shown
     assert seen == [["loading weights 10/20 tensors"], ["loading weights 10/20 tensors"],
                     ["compiled step shape 1/4"], [""]]
+
+
+# ------------------------------------------------------------------ telling the router early
+
+
+def test_healthy_servers_are_announced_to_the_router_until_it_takes_them():
+    """A P or D leader is handed to `announce` from the first poll it is healthy on, again
+    at every poll while that fails (router not answering), and never once it succeeded; the
+    bootstrap server and the proxy are never announced."""
+    plan = expand_plan(compose_config(["topology=1p1d_cpu"]), cpus=[0, 1])
+    names = [p.name for p in plan.start_order()]
+    assert {"prefill_0", "decode_0", "bootstrap", "proxy"} <= set(names)
+    poll = iter(range(100))
+    now = {"poll": 0}
+    # the others at once, but the proxy: it is ready once it lists both servers
+    healthy_from = {"prefill_0": 2, "decode_0": 4, "proxy": 6}
+    calls = []
+
+    def states():
+        now["poll"] = next(poll)
+        return {n: ("RUNNING", 10) for n in names}
+
+    def probe(url):
+        proc = next(p for p in plan.processes if p.health_url == url)
+        return now["poll"] >= healthy_from.get(proc.name, 0)
+
+    def announce(proc):
+        calls.append((now["poll"], proc.name))
+        return now["poll"] >= 5  # the router answers from poll 5 on
+
+    result = wait_for_programs(plan, states, 60.0, poll_s=0, probe_fn=probe, workers_fn=None,
+                               detail_fn=None, clock=iter(range(100)).__next__,
+                               announce=announce)
+    assert result.ok
+    assert [c for c in calls if c[1] == "prefill_0"] == [(i, "prefill_0") for i in (2, 3, 4, 5)]
+    assert [c for c in calls if c[1] == "decode_0"] == [(4, "decode_0"), (5, "decode_0")]
+    assert {name for _, name in calls} == {"prefill_0", "decode_0"}
+
+
+@pytest.fixture
+def registry():
+    """A router registry: GET /workers lists `state["workers"]`, POST /workers records the
+    body; `state["up"]` False answers 503 to both."""
+    state = {"workers": [], "posted": [], "up": True}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, code, body):
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+        def do_GET(self):  # noqa: N802 - http.server API
+            self._reply(200 if state["up"] else 503, {"workers": state["workers"]})
+
+        def do_POST(self):  # noqa: N802 - http.server API
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if state["up"]:
+                state["posted"].append(body)
+            self._reply(202 if state["up"] else 503, {"status": "accepted"})
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", state
+    srv.shutdown()
+
+
+def test_the_announcer_adds_an_unlisted_worker_once_and_waits_for_a_silent_router(registry):
+    url, state = registry
+    plan = expand_plan(compose_config(["topology=1p1d_cpu"]), cpus=[0, 1])
+    p = next(x for x in plan.processes if x.role == "prefill")
+    d = next(x for x in plan.processes if x.role == "decode")
+    announce = WorkerAnnouncer(RouterAdmin(url))
+    state["up"] = False
+    assert announce(p) is False and state["posted"] == []  # try again at the next poll
+    state["up"] = True
+    assert announce(p) is True
+    assert state["posted"] == [{"url": p.url, "worker_type": "prefill",
+                                "bootstrap_port": p.ports["zmq"]}]
+    state["workers"] = [{"url": d.url, "worker_type": "decode", "is_healthy": True}]
+    assert announce(d) is True and len(state["posted"]) == 1  # the router has it already

@@ -24,7 +24,7 @@ from pdtopo.config.schema import ProxySchema, typed_proxy
 from pdtopo.config.settings import LauncherSettings, runtime_settings
 from pdtopo.launcher.operate.admin_http import OperationError
 from pdtopo.launcher.operate.hosts import deployment_token
-from pdtopo.launcher.operate.router_admin import RouterAdmin
+from pdtopo.launcher.operate.router_admin import RouterAdmin, router_url
 from pdtopo.launcher.plan.expand import Plan, Process
 
 SERVER_ROLES = ("prefill", "decode")
@@ -85,7 +85,7 @@ class Deployment:
         if not token:
             raise OperationError(f"{run_dir}: no deployment token (RUN/token)")
         proxies = [p for p in plan.processes if p.role == "proxy"]
-        url = f"http://{proxies[0].address}:{proxies[0].ports['http']}" if proxies else None
+        url = router_url(proxies[0]) if proxies else None
         router = RouterAdmin(url, proxy_api_key(run_dir, proxy))
         return cls(run_dir, plan, proxy, runtime_settings(cfg).launcher, token, url, router)
 

@@ -10,7 +10,11 @@ slow start; seen as EXITED or as a new pid), fails the wait at once. The proxy c
 healthy only once the router has registered every P and D worker (`router_workers_ready`). A
 server that is not healthy yet is asked what it is doing (`loading_detail`: its /health 503
 names the load step, e.g. "loading weights 40/272 tensors", "compiled step shape 3/10"), shown
-in the row's progress. Returns a `WaitResult`.
+in the row's progress. A P or D leader that turns healthy is handed to `announce` (the launcher
+adds it to the router's registry at once, `WorkerAnnouncer`) until that succeeds: the router
+itself retries its command-line workers with a back-off that grows by a second per attempt,
+so it would otherwise notice a server that took 30 s to load only seconds later. Returns a
+`WaitResult`.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdtopo.launcher.plan.expand import Plan
 
 FAILED_STATES = {"FATAL"}
+ANNOUNCED_ROLES = ("prefill", "decode")  # the PD router's workers (`WorkerAnnouncer`)
 LOADING_ROLES = ("prefill", "decode", "colocated", "local")  # their /health 503 says progress
 CRASH_LOOP_EXITS = 2  # exits of one program during the launch that end it
 
@@ -126,9 +132,12 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
                       clock: Callable[[], float] = time.monotonic,
                       workers_fn: Callable[[str, int], bool] | None = router_workers_ready,
                       detail_fn: Callable[[str], str] | None = loading_detail,
+                      announce: Callable[[Any], bool] | None = None,
                       ) -> WaitResult:
     order = plan.start_order()
     rows = {p.name: Row(p.name) for p in order}
+    unannounced = {p.name for p in order if p.role in ANNOUNCED_ROLES
+                   and getattr(p, "leader", True) is not False} if announce else set()
     current, started = 0, clock()
     while True:
         states = get_states()
@@ -147,6 +156,8 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
                     row.progress = detail_fn(proc.health_url) or row.progress
                 if row.healthy:
                     row.progress = ""
+            if row.healthy and proc.name in unannounced and announce(proc):
+                unannounced.discard(proc.name)
                 if row.healthy and proc.role == "proxy" and workers_fn is not None:
                     base = proc.health_url.rsplit("/", 1)[0]
                     row.healthy = workers_fn(base, proxy_worker_count(plan))
@@ -164,3 +175,25 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
                               f"{name} not healthy at {order[current].health_url} after "
                               f"{timeout_s:g} s")
         time.sleep(poll_s)
+
+
+@dataclass
+class WorkerAnnouncer:
+    """Adds a healthy P or D leader to the PD router's worker registry (`POST /workers`) as
+    soon as the launcher sees it healthy. The router was given every worker on its command
+    line and registers them itself, later: whichever comes second is refused by the router
+    as a duplicate ("already exists"), which changes nothing. Returns True once the router
+    lists the worker or took the addition; False (try again at the next poll) while the
+    router does not answer."""
+
+    admin: Any  # router_admin.RouterAdmin of the deployment's proxy
+
+    def __call__(self, proc: Any) -> bool:
+        from pdtopo.launcher.operate.admin_http import OperationError  # deferred: HTTP client
+
+        try:
+            if self.admin.entry(proc.url) is None:
+                self.admin.add(proc)
+        except OperationError:
+            return False
+        return True

@@ -26,8 +26,13 @@ from pdtopo.config.run_files import API_KEY_FILE
 from pdtopo.config.schema import typed_proxy
 from pdtopo.config.settings import group_settings
 from pdtopo.launcher.operate import display
-from pdtopo.launcher.operate.health import router_workers_ready, wait_for_programs
+from pdtopo.launcher.operate.health import (
+    WorkerAnnouncer,
+    router_workers_ready,
+    wait_for_programs,
+)
 from pdtopo.launcher.operate.prepare import Prepared, prepare_or_report
+from pdtopo.launcher.operate.router_admin import RouterAdmin, router_url
 from pdtopo.launcher.operate.supervisor_control import (
     Supervisor,
     SupervisorError,
@@ -77,6 +82,16 @@ def launch_job(cfg: DictConfig, run_dir: Path, opts: LaunchOptions) -> int:
         return 1
 
 
+def _announcer(cfg: DictConfig, plan, api_key: str | None) -> WorkerAnnouncer | None:
+    """Who tells the router of a server as soon as it is healthy: the PD router (rust or
+    gateway, which keep a worker registry) of a plan that holds it; None otherwise."""
+    proxy = next((p for p in plan.processes if p.role == "proxy"), None)
+    if proxy is None or typed_proxy(cfg).kind not in ("rust", "gateway") or \
+            not any(p.role in ("prefill", "decode") for p in plan.processes):
+        return None
+    return WorkerAnnouncer(RouterAdmin(router_url(proxy), api_key))
+
+
 def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
                      prepared: Prepared) -> int:
     plan = prepared.plan
@@ -102,7 +117,8 @@ def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
             result = wait_for_programs(
                 plan, sv.states, timeout,
                 on_update=lambda rows: live.update(display.health_table(plan, rows)),
-                workers_fn=partial(router_workers_ready, api_key=api_key))
+                workers_fn=partial(router_workers_ready, api_key=api_key),
+                announce=_announcer(cfg, plan, api_key))
         if not result.ok:
             con.print(f"[bold red]launch failed:[/] {result.reason}")
             con.rule(f"last lines of logs/{result.failed}.log")

@@ -13,6 +13,11 @@ from pdtopo.launcher.operate.admin_http import OperationError, admin_request
 from pdtopo.launcher.plan.expand import Process
 
 
+def router_url(proxy: Process) -> str:
+    """The base URL of the deployment's proxy process, where its registry answers."""
+    return f"http://{proxy.address}:{proxy.ports['http']}"
+
+
 @dataclass(frozen=True)
 class RouterAdmin:
     url: str | None          # the proxy's base URL (None: no proxy in the plan)
