@@ -128,7 +128,7 @@ def _observe(row: Row, state: str, pid: int) -> str | None:
 
 def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, int]]],
                       timeout_s: float, on_update: Callable[[list[Row]], None] | None = None,
-                      poll_s: float = 0.5, probe_fn: Callable[[str], bool] = probe,
+                      poll_s: float = 0.25, probe_fn: Callable[[str], bool] = probe,
                       clock: Callable[[], float] = time.monotonic,
                       workers_fn: Callable[[str, int], bool] | None = router_workers_ready,
                       detail_fn: Callable[[str], str] | None = loading_detail,

@@ -8,13 +8,15 @@ colocated server. Rows with temperature 0 or top_k 1 take the argmax.
 `Sampler.sample(logits, reqs_params)` takes the runner's logits `[n, vocab]` (n may be larger
 than the number of requests: padding rows are ignored) and returns a NumPy int array of n' token
 ids. Two compiled programs per row count: an argmax-only one (whole batch greedy) and the full
-one. `Sampler.warmup(row_counts, like)` compiles both ahead of serving.
+one, compiled ahead of time per logits shape and kept by the Sampler. `Sampler.warmup(row_counts,
+like)` compiles both ahead of serving without running them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +80,21 @@ def _sample(logits, temperature, top_k, top_p, seed_hi, seed_lo, step):
 
 
 class Sampler:
-    """Host-side wrapper: packs per-row parameters, pads them to the logits' row count."""
+    """Host-side wrapper: packs per-row parameters, pads them to the logits' row count, and
+    runs the program compiled for the logits' shape, dtype and sharding: compiled ahead of
+    time by `warmup` (nothing runs) or on first use. Single owner: the scheduler thread."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[tuple, Any] = {}
+
+    def _program(self, fn: Any, logits: Any, *rest: np.ndarray) -> Any:
+        """`fn` (_greedy or _sample) compiled for logits like `logits` (an array or a
+        ShapeDtypeStruct with its sharding)."""
+        key = (fn.__name__, tuple(logits.shape), str(logits.dtype), logits.sharding)
+        program = self._compiled.get(key)
+        if program is None:
+            program = self._compiled[key] = fn.lower(logits, *rest).compile()
+        return program
 
     def sample(self, logits: jax.Array, rows: Sequence[RowParams]) -> np.ndarray:
         n_rows = logits.shape[0]
@@ -86,24 +102,32 @@ class Sampler:
         if n > n_rows:
             raise ValueError(f"{n} sampling rows for logits with {n_rows} rows")
         if all(r.greedy for r in rows):
-            return np.asarray(jax.device_get(_greedy(logits)))[:n]
-        temperature = np.zeros(n_rows, np.float32)
-        top_k = np.zeros(n_rows, np.int32)
-        top_p = np.ones(n_rows, np.float32)
-        seed_hi = np.zeros(n_rows, np.uint32)
-        seed_lo = np.zeros(n_rows, np.uint32)
-        step = np.zeros(n_rows, np.int32)
-        for j, r in enumerate(rows):
-            temperature[j], top_k[j], top_p[j] = r.temperature, r.top_k, r.top_p
-            seed_hi[j], seed_lo[j] = (r.seed >> 32) & 0xFFFFFFFF, r.seed & 0xFFFFFFFF
-            step[j] = r.step
-        out = _sample(logits, temperature, top_k, top_p, seed_hi, seed_lo, step)
+            return np.asarray(jax.device_get(self._program(_greedy, logits)(logits)))[:n]
+        params = _row_params(rows, n_rows)
+        out = self._program(_sample, logits, *params)(logits, *params)
         return np.asarray(jax.device_get(out))[:n]
 
     def warmup(self, row_counts: Iterable[int], like: jax.Array) -> None:
-        """Compile greedy and random sampling for logits of each row count, on zeros with
-        the vocabulary, dtype and sharding of `like` (a real step's logits)."""
+        """Compile greedy and random sampling for logits of each row count with the
+        vocabulary, dtype and sharding of `like` (a real step's logits), without running
+        them."""
         for n in sorted(set(row_counts)):
-            logits = jax.device_put(np.zeros((n, like.shape[1]), like.dtype), like.sharding)
-            self.sample(logits, [RowParams(0.0, -1, 1.0, 0, 0)] * n)
-            self.sample(logits, [RowParams(1.0, -1, 1.0, 0, 0)] * n)
+            logits = jax.ShapeDtypeStruct((n, like.shape[1]), like.dtype, sharding=like.sharding)
+            self._program(_greedy, logits)
+            self._program(_sample, logits, *_row_params([], n))
+
+
+def _row_params(rows: Sequence[RowParams], n_rows: int) -> tuple[np.ndarray, ...]:
+    """(temperature, top_k, top_p, seed_hi, seed_lo, step) of `rows`, padded to `n_rows`
+    (padding rows: greedy)."""
+    temperature = np.zeros(n_rows, np.float32)
+    top_k = np.zeros(n_rows, np.int32)
+    top_p = np.ones(n_rows, np.float32)
+    seed_hi = np.zeros(n_rows, np.uint32)
+    seed_lo = np.zeros(n_rows, np.uint32)
+    step = np.zeros(n_rows, np.int32)
+    for j, r in enumerate(rows):
+        temperature[j], top_k[j], top_p[j] = r.temperature, r.top_k, r.top_p
+        seed_hi[j], seed_lo[j] = (r.seed >> 32) & 0xFFFFFFFF, r.seed & 0xFFFFFFFF
+        step[j] = r.step
+    return temperature, top_k, top_p, seed_hi, seed_lo, step
