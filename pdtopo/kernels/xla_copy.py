@@ -1,6 +1,7 @@
 """XLA gather/scatter of KV pages over all layer entries of a pool (bucketed, jit-cached).
 
-Gather:  kv_caches[i][ids_padded] for every entry i in one jitted call; ids are padded to a
+Gather:  kv_caches[i][ids_padded] for every entry i, one jitted call per GROUP entries (so the
+         compile time does not grow with the model's depth); ids are padded to a
          power-of-two bucket with page 0 (a valid page whose rows are then dropped), so all
          request lengths of a bucket share one executable. The caller slices the result to n
          (``take_leading``), a separate tiny jitted slice.
@@ -29,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
@@ -39,16 +41,46 @@ def _constrain(xs, shardings):
     return tuple(jax.lax.with_sharding_constraint(x, s) for x, s in zip(xs, shardings, strict=True))
 
 
-@functools.partial(jax.jit, static_argnames=("shardings",))
+# Pool entries per compiled gather / scatter: a program's compile time grows with the arrays it
+# takes, so a deep model's pool (2 entries per layer) is copied by a few calls of one program of
+# GROUP entries (and one for the rest) instead of one program of every entry. 8 entries (4
+# layers): a 30-layer pool's scatter of 16 pages compiles in about 0.2 s instead of 0.6 s per
+# bucket, and costs 8 dispatches instead of 1 (1.25 ms instead of 0.9 ms on the CPU here).
+GROUP = 8
+
+
+def _groups(n: int) -> list[slice]:
+    return [slice(i, min(i + GROUP, n)) for i in range(0, n, GROUP)]
+
+
+def _part(shardings, g: slice):
+    return None if shardings is None else shardings[g]
+
+
 def gather_pages(kv_caches: tuple, ids, shardings=None) -> tuple:
     """Packed ``[B, page_size, heads, head_dim]`` per entry, B = len(ids)."""
+    ids = np.asarray(ids, np.int32)  # host ids: placed like the pool by each call
+    return tuple(x for g in _groups(len(kv_caches))
+                 for x in _gather_group(kv_caches[g], ids, shardings=_part(shardings, g)))
+
+
+def scatter_pages(kv_caches: tuple, packed: tuple, ids, shardings=None) -> tuple:
+    """Pool entries with ``packed[i][j]`` written at page ``ids[j]`` (out-of-range ids dropped);
+    the pool entries are donated."""
+    ids = np.asarray(ids, np.int32)  # host ids: placed like the pool by each call
+    return tuple(x for g in _groups(len(kv_caches))
+                 for x in _scatter_group(kv_caches[g], packed[g], ids,
+                                         shardings=_part(shardings, g)))
+
+
+@functools.partial(jax.jit, static_argnames=("shardings",))
+def _gather_group(kv_caches: tuple, ids, shardings=None) -> tuple:
     TRACE_COUNTS["gather"] += 1
     return _constrain(tuple(jnp.take(kv, ids, axis=0) for kv in kv_caches), shardings)
 
 
 @functools.partial(jax.jit, static_argnames=("shardings",), donate_argnums=(0,))
-def scatter_pages(kv_caches: tuple, packed: tuple, ids, shardings=None) -> tuple:
-    """Pool entries with ``packed[i][j]`` written at page ``ids[j]`` (out-of-range ids dropped)."""
+def _scatter_group(kv_caches: tuple, packed: tuple, ids, shardings=None) -> tuple:
     TRACE_COUNTS["scatter"] += 1
     out = tuple(kv.at[ids].set(p.astype(kv.dtype), mode="drop")
                 for kv, p in zip(kv_caches, packed, strict=True))
