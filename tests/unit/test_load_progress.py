@@ -19,6 +19,8 @@ def test_progress_text_of_each_load_step():
         "compiled step shape 3/16"
     assert progress_text("warmup: 16 step shapes compiled, 2 run, in 11.4s") == \
         "running warmup steps"
+    assert progress_text("warmed KV scatter 2/4 (16 wire rows) in 0.15s") == \
+        "compiled KV scatter 2/4"
     assert progress_text("mesh tp=1 on ['TFRT_CPU_0']") is None
 
 
