@@ -10,8 +10,9 @@ is) or a slice of it along heads (a copy on that device); jax.experimental.trans
 the device of its D shard. D concatenates the pieces of a shard along heads (nothing to do
 when one piece fills it) and joins the shards into an array with its pool's sharding, ready for
 the ordinary scatter, or (`slot_offsets`: every D shard takes the same pieces) writes them straight
-into head ranges of the pool (`jax_transfer.scatter_pieces`). Slices, joins and piece scatters
-compile once per page count; both sides warm the counts a request can have before serving.
+into head ranges of the pool (`jax_transfer.scatter_pieces`). The pieces have the wire's rows
+(`base.wire_rows`: the pages, then padding to a power of two), so slices, joins and piece
+scatters compile once per bucket of page counts; both sides warm the buckets before serving.
 """
 
 from __future__ import annotations
