@@ -191,13 +191,21 @@ def test_healthy_servers_are_announced_to_the_router_until_it_takes_them():
         calls.append((now["poll"], proc.name))
         return now["poll"] >= 5  # the router answers from poll 5 on
 
-    result = wait_for_programs(plan, states, 60.0, poll_s=0, probe_fn=probe, workers_fn=None,
+    listed = []  # the router's answers: both workers listed from poll 7 on
+
+    def workers(base, expected):
+        listed.append(now["poll"])
+        return expected == 2 and now["poll"] >= 7
+
+    result = wait_for_programs(plan, states, 60.0, poll_s=0, probe_fn=probe, workers_fn=workers,
                                detail_fn=None, clock=iter(range(100)).__next__,
                                announce=announce)
     assert result.ok
     assert [c for c in calls if c[1] == "prefill_0"] == [(i, "prefill_0") for i in (2, 3, 4, 5)]
     assert [c for c in calls if c[1] == "decode_0"] == [(4, "decode_0"), (5, "decode_0")]
     assert {name for _, name in calls} == {"prefill_0", "decode_0"}
+    # the proxy is healthy only once the router lists the workers: the wait ended at poll 7
+    assert listed == [6, 7] and now["poll"] == 7
 
 
 @pytest.fixture

@@ -156,11 +156,11 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
                     row.progress = detail_fn(proc.health_url) or row.progress
                 if row.healthy:
                     row.progress = ""
-            if row.healthy and proc.name in unannounced and announce(proc):
-                unannounced.discard(proc.name)
                 if row.healthy and proc.role == "proxy" and workers_fn is not None:
                     base = proc.health_url.rsplit("/", 1)[0]
                     row.healthy = workers_fn(base, proxy_worker_count(plan))
+            if row.healthy and proc.name in unannounced and announce(proc):
+                unannounced.discard(proc.name)
         while current < len(order) and rows[order[current].name].healthy:
             current, started = current + 1, now
         if current < len(order):
