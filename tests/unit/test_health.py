@@ -23,7 +23,9 @@ from pdtopo.launcher.plan.expand import expand_plan
 
 @pytest.fixture
 def router():
-    state = {"workers": [], "status": 200, "key": None}
+    """A router registry: GET /workers lists `state["workers"]` with `state["status"]`; POST
+    /workers records its body in `state["posted"]` (202) while the status is 200."""
+    state = {"workers": [], "status": 200, "key": None, "posted": []}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server API
@@ -32,6 +34,15 @@ def router():
             self.send_response(401 if keyed else state["status"])
             self.end_headers()
             self.wfile.write(body.encode())
+
+        def do_POST(self):  # noqa: N802 - http.server API
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            up = state["status"] == 200
+            if up:
+                state["posted"].append(body)
+            self.send_response(202 if up else state["status"])
+            self.end_headers()
+            self.wfile.write(b'{"status": "accepted"}')
 
         def log_message(self, *args):
             pass
@@ -208,46 +219,15 @@ def test_healthy_servers_are_announced_to_the_router_until_it_takes_them():
     assert listed == [6, 7] and now["poll"] == 7
 
 
-@pytest.fixture
-def registry():
-    """A router registry: GET /workers lists `state["workers"]`, POST /workers records the
-    body; `state["up"]` False answers 503 to both."""
-    state = {"workers": [], "posted": [], "up": True}
-
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self, code, body):
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(json.dumps(body).encode())
-
-        def do_GET(self):  # noqa: N802 - http.server API
-            self._reply(200 if state["up"] else 503, {"workers": state["workers"]})
-
-        def do_POST(self):  # noqa: N802 - http.server API
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if state["up"]:
-                state["posted"].append(body)
-            self._reply(202 if state["up"] else 503, {"status": "accepted"})
-
-        def log_message(self, *args):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}", state
-    srv.shutdown()
-
-
-def test_the_announcer_adds_an_unlisted_worker_once_and_waits_for_a_silent_router(registry):
-    url, state = registry
+def test_the_announcer_adds_an_unlisted_worker_once_and_waits_for_a_silent_router(router):
+    url, state = router
     plan = expand_plan(compose_config(["topology=1p1d_cpu"]), cpus=[0, 1])
     p = next(x for x in plan.processes if x.role == "prefill")
     d = next(x for x in plan.processes if x.role == "decode")
     announce = WorkerAnnouncer(RouterAdmin(url))
-    state["up"] = False
+    state["status"] = 503
     assert announce(p) is False and state["posted"] == []  # try again at the next poll
-    state["up"] = True
+    state["status"] = 200
     assert announce(p) is True
     assert state["posted"] == [{"url": p.url, "worker_type": "prefill",
                                 "bootstrap_port": p.ports["zmq"]}]
