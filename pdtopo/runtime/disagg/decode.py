@@ -226,7 +226,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         if ready_at is not None:
             self.pd_metrics.handoff_seconds.observe(max(0.0, now - ready_at))
         req.timeline = decode_timeline(req.arrival_time, p.receiver.times, info.p_stages, now)
-        if not self.process_new_token(req, int(info.first_token)):
+        if not self.process_new_token(req, int(info.first_token), info.first_token_logprob):
             self.add_to_running(req)
 
     def _fail(self, p: PendingTransfer, exc: BaseException | None) -> None:

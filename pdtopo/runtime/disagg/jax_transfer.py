@@ -209,6 +209,7 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
 
     def send(self, kv_indices: Sequence[int], *, prompt_len: int | None = None,
              first_token: int | None = None, first_logprob: float | None = None,
+             first_top_logprobs: list[list[Any]] | None = None,
              cached_tokens: int = 0, skip_pages: int = 0,
              p_stages: dict[str, float] | None = None) -> None:
         """Register `kv_indices` (the prompt's pages after the first `skip_pages`, which D
@@ -221,7 +222,8 @@ class JaxTransferKVSender(_RoomEndpoint, BaseKVSender):
             self.sent_for = self.peer_layout or self.mgr.layout
             self.ready_msg = self.mgr._register(self.room, list(kv_indices), prompt_len,
                                                 first_token, first_logprob, cached_tokens,
-                                                skip_pages, p_stages or {}, self.sent_for)
+                                                skip_pages, p_stages or {}, self.sent_for,
+                                                first_top_logprobs=first_top_logprobs)
         except Exception as e:
             err = e if isinstance(e, KVTransferError) else KVTransferError(
                 f"room {self.room}: preparing KV for transfer failed: {e}", status=500)
@@ -690,7 +692,8 @@ class JaxTransferKVManager(BaseKVManager):
                   first_token: int | None, first_logprob: float | None,
                   cached_tokens: int = 0, skip_pages: int = 0,
                   p_stages: dict[str, float] | None = None,
-                  peer_layout: KVShardLayout | None = None) -> m.Ready:
+                  peer_layout: KVShardLayout | None = None,
+                  first_top_logprobs: list[list[Any]] | None = None) -> m.Ready:
         if self.runner is None:
             raise KVTransferError(f"room {room}: no runner registered (call register_runner)",
                                   status=500)
@@ -719,7 +722,7 @@ class JaxTransferKVManager(BaseKVManager):
                        expires_at=deadline, pools=(meta,),
                        prompt_len=int(prompt_len if prompt_len is not None else 0),
                        first_token=first_token, first_logprob=first_logprob,
-                       cached_tokens=int(cached_tokens), skip_pages=int(skip_pages),
+                       first_top_logprobs=first_top_logprobs, cached_tokens=int(cached_tokens), skip_pages=int(skip_pages),
                        p_stages=dict(p_stages or {}), layout=self.layout.to_dict(),
                        transfer_addrs=self._transfer_addrs())
 

@@ -12,6 +12,8 @@ Every message is one JSON object, UTF-8, at most `max_bytes` long, with a protoc
 | ready  | P -> D    | room, transfer_addr, transfer_uuid, expires_at (unix s), pools (list   |
 |        |           | of PackedMeta dicts: shape, dtype, page_count, page_size, sharding,    |
 |        |           | num_entries), first_token, first_logprob (optional), prompt_len,      |
+|        |           | first_top_logprobs (optional: [[token id, logprob], ...], best first, |
+|        |           | at most MAX_TOP_LOGPROBS: the first token's alternatives D reports),   |
 |        |           | cached_tokens (optional: prompt tokens P took from its prefix cache),  |
 |        |           | skip_pages (optional: leading prompt pages not sent: D holds them),    |
 |        |           | p_stages (optional: {queue, prefill, send} seconds on P's clock),      |
@@ -30,12 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdtopo.runtime.disagg.base import PackedMeta
 from pdtopo.runtime.disagg.reshard import KVShardLayout
+from pdtopo.runtime.engine.request import MAX_TOP_LOGPROBS, TokenLogprob
 
 PROTOCOL_VERSION = 1
 MAX_ROOM = 2**64 - 1
@@ -77,6 +81,7 @@ class Ready:
     prompt_len: int
     first_token: int | None = None
     first_logprob: float | None = None
+    first_top_logprobs: tuple[tuple[int, float], ...] | None = None
     cached_tokens: int = 0
     skip_pages: int = 0
     # P's stages of this request in seconds, each measured on P's clock (P_STAGES)
@@ -84,6 +89,21 @@ class Ready:
     layout: dict[str, Any] | None = None  # P's KV shard layout; None: the same as D's
     transfer_addrs: list[str] | None = None  # P's processes (multi-process P), by index
     type: str = field(default="ready", init=False)
+
+    @property
+    def first_token_logprob(self) -> TokenLogprob | None:
+        """The first token's logprob as D's request records it (None: P sent none)."""
+        if self.first_logprob is None:
+            return None
+        return TokenLogprob(self.first_logprob, self.first_top_logprobs or ())
+
+
+def first_logprob_fields(logprob: TokenLogprob | None) -> dict[str, Any]:
+    """P's `ready` fields for the first token's logprob (none when it has none)."""
+    if logprob is None:
+        return {}
+    return {"first_logprob": logprob.logprob,
+            "first_top_logprobs": [[t, lp] for t, lp in logprob.top]}
 
 
 @dataclass(frozen=True)
@@ -168,6 +188,32 @@ def _addrs(d: dict[str, Any], mtype: str) -> list[str] | None:
     return list(raw)
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _first_logprob(d: dict[str, Any], mtype: str) -> float | None:
+    raw = _get(d, "first_logprob", (int, float), optional=True, mtype=mtype)
+    if raw is not None and not _finite(raw):
+        raise MessageError(f"{mtype} message: first_logprob must be a finite number, got {raw!r}")
+    return None if raw is None else float(raw)
+
+
+def _top_logprobs(d: dict[str, Any], mtype: str) -> tuple[tuple[int, float], ...] | None:
+    raw = _get(d, "first_top_logprobs", (list,), optional=True, mtype=mtype)
+    if raw is None:
+        return None
+    def pair(x: Any) -> bool:
+        return (isinstance(x, list) and len(x) == 2 and isinstance(x[0], int)
+                and not isinstance(x[0], bool) and x[0] >= 0 and _finite(x[1]))
+
+    if len(raw) > MAX_TOP_LOGPROBS or not all(pair(x) for x in raw):
+        raise MessageError(f"{mtype} message: first_top_logprobs must be at most "
+                           f"{MAX_TOP_LOGPROBS} [token id, finite logprob] pairs, got "
+                           f"{raw!r}"[:300])
+    return tuple((int(t), float(lp)) for t, lp in raw)
+
+
 def _layout(d: dict[str, Any], mtype: str) -> dict[str, Any] | None:
     raw = _get(d, "layout", (dict,), optional=True, mtype=mtype)
     if raw is None:
@@ -216,7 +262,6 @@ def from_dict(d: Any) -> Message:
     prompt_len = _get(d, "prompt_len", (int,), mtype=mtype)
     if prompt_len < 0:
         raise MessageError(f"ready message: prompt_len must be >= 0, got {prompt_len}")
-    logprob = _get(d, "first_logprob", (int, float), optional=True, mtype=mtype)
     cached = _get(d, "cached_tokens", (int,), optional=True, mtype=mtype) or 0
     if not 0 <= cached <= prompt_len:
         raise MessageError(f"ready message: cached_tokens must be in [0, prompt_len="
@@ -239,7 +284,8 @@ def from_dict(d: Any) -> Message:
                  pools=tuple(_pool(p, i) for i, p in enumerate(pools)),
                  prompt_len=prompt_len,
                  first_token=_get(d, "first_token", (int,), optional=True, mtype=mtype),
-                 first_logprob=None if logprob is None else float(logprob),
+                 first_logprob=_first_logprob(d, mtype),
+                 first_top_logprobs=_top_logprobs(d, mtype),
                  cached_tokens=cached, skip_pages=skip,
                  p_stages={k: float(v) for k, v in stages.items()}, layout=_layout(d, mtype),
                  transfer_addrs=_addrs(d, mtype))

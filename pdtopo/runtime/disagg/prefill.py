@@ -35,9 +35,9 @@ from typing import Any
 from pdtopo.runtime.disagg.base import KVTransferError, wire_rows
 from pdtopo.runtime.disagg.held_budget import HeldKVBudget
 from pdtopo.runtime.disagg.kvpoll import KVPoll
-from pdtopo.runtime.disagg.messages import prefix_digest
+from pdtopo.runtime.disagg.messages import first_logprob_fields, prefix_digest
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
-from pdtopo.runtime.engine.request import FinishReason, Req, ReqStatus
+from pdtopo.runtime.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
 
 log = logging.getLogger("pdtopo.disagg.prefill")
 
@@ -214,12 +214,14 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             return  # the room already has a sender: it reports its own outcome
         sender.abort(message, status=status)
 
-    def on_prefill_finished(self, req: Req, next_token: int) -> None:
+    def on_prefill_finished(self, req: Req, next_token: int,
+                            logprob: TokenLogprob | None = None) -> None:
         sender = self._senders.get(req.rid)
         if sender is None:  # a health check (no room): an ordinary local request
-            super().on_prefill_finished(req, next_token)
+            super().on_prefill_finished(req, next_token, logprob)
             return
         req.output_ids.append(int(next_token))
+        req.output_logprobs.append(logprob)  # D reports it (the ready message carries it)
         sender.times["prefill_done"] = time.monotonic()
         if self.waits_for_decode_claim and sender.peer is None:
             # D's `want` says which pages it holds or how it is laid out: wait for it (holding
@@ -255,6 +257,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
             return
         sender.send(req.page_ids[skip: self.pages_for(prompt_len)], prompt_len=prompt_len,
                     first_token=int(req.output_ids[0]), cached_tokens=req.cached_tokens,
+                    **first_logprob_fields(req.output_logprobs[0]),
                     skip_pages=skip, p_stages=self._stages(req, sender))
         if sender.poll() == KVPoll.Failed:
             exc = sender.failure_exception()

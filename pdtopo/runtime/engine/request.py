@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 UINT64_MAX = 2**64 - 1
+MAX_TOP_LOGPROBS = 20     # alternatives per token a request may ask for (OpenAI's limit)
 
 
 class InvalidRequest(ValueError):
@@ -84,10 +85,6 @@ def check_bootstrap_fields(host: Any, port: Any, room: Any) -> None:
 # sglang sampling keys pdtopo accepts only at their neutral value (the Rust router may forward them).
 _NEUTRAL_SGLANG_KEYS: dict[str, Any] = {
     "min_new_tokens": 0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
     "n": 1,
     "regex": None,
     "json_schema": None,
@@ -97,6 +94,10 @@ _NEUTRAL_SGLANG_KEYS: dict[str, Any] = {
     "custom_params": None,
     "lora_path": None,
 }
+# sglang's ranges for the penalties and min_p (repetition_penalty 0 is refused: it divides)
+_PENALTY_RANGES: dict[str, tuple[float, float]] = {
+    "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.0, 2.0), "min_p": (0.0, 1.0)}
 # sglang keys that only affect detokenization or streaming and are accepted as given.
 _PASSTHROUGH_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
                      "stream_interval"}
@@ -125,6 +126,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     max_new_tokens_given: bool = False  # False: defaulted (may be clamped to the context)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # not sglang sampling keys: set by the routes from return_logprob / logprobs fields
+    logprobs: int = -1                  # -1: none; 0: the sampled token's; k: plus the top k
 
     @property
     def is_greedy(self) -> bool:
@@ -175,6 +182,14 @@ class SamplingParams:
                     raise InvalidRequest(name(key), f"{name(key)} must be an integer in [0, 2^64), "
                                          f"got {value!r}")
                 p.seed = value
+            elif key in _PENALTY_RANGES:
+                low, high = _PENALTY_RANGES[key]
+                if not _is_number(value) or not math.isfinite(value) or \
+                        not low <= value <= high or (key == "repetition_penalty" and value == 0):
+                    what = "in (0, 2]" if key == "repetition_penalty" else f"in [{low:g}, {high:g}]"
+                    raise InvalidRequest(name(key), f"{name(key)} must be a number {what}, "
+                                         f"got {value!r}")
+                setattr(p, key, float(value))
             elif key == "stop":
                 stops = [value] if isinstance(value, str) else value
                 if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -234,6 +249,14 @@ class FinishReason:
                                   "is in flight on this server", 400)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's logprob and the most likely alternatives asked for, best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class ReqOutput:
     """What the scheduler emits for a request after a step (tokens since the previous output)."""
@@ -246,6 +269,8 @@ class ReqOutput:
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     timeline: dict[str, float] | None = None  # PD stages in ms (D: pd_timeline.py)
+    # one per new token when the request asked for logprobs (None: a token without one)
+    new_logprobs: list[TokenLogprob | None] | None = None
 
 
 class OutputSink(Protocol):
@@ -298,6 +323,7 @@ class NullSink:
 
 
 _rid_counter = itertools.count()
+_req_serials = itertools.count()
 
 
 def new_rid() -> str:
@@ -329,6 +355,7 @@ class Req:
     sampling: SamplingParams
     sink: OutputSink = field(default_factory=NullSink)
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # if asked for
     page_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     status: str = ReqStatus.WAITING
@@ -347,6 +374,7 @@ class Req:
     num_preemptions: int = 0
     timeline: dict[str, float] | None = None  # PD stages (ms), set by D when decoding starts
     extra: dict[str, Any] = field(default_factory=dict)  # free space for mixins
+    serial: int = field(default_factory=lambda: next(_req_serials))  # unique in this process
 
     @property
     def all_ids(self) -> list[int]:

@@ -66,9 +66,16 @@ from typing import Any
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.model_runner import SeqChunk
 from pdtopo.runtime.engine.page_allocator import OutOfPages, PageAllocator
+from pdtopo.runtime.engine.penalties import PenaltyHistory
 from pdtopo.runtime.engine.prefix_cache import PrefixCache, reference_problems
-from pdtopo.runtime.engine.request import FinishReason, Req, ReqOutput, ReqStatus
-from pdtopo.runtime.engine.sampling import RowParams, Sampler
+from pdtopo.runtime.engine.request import (
+    FinishReason,
+    Req,
+    ReqOutput,
+    ReqStatus,
+    TokenLogprob,
+)
+from pdtopo.runtime.engine.sampling import RowParams, Sampler, SampleResult
 from pdtopo.runtime.worker_threads import CrashHandler, WorkerThread, crash_process, server_fault
 
 log = logging.getLogger("pdtopo.scheduler")
@@ -92,6 +99,14 @@ class ScheduledBatch:
         return ScheduledBatch("mixed", decode.reqs + prefill.reqs,
                               decode.chunks + prefill.chunks, prefill.completes,
                               num_decode=len(decode.reqs))
+
+
+def stop_window(stops: list[str]) -> int:
+    """How many trailing output tokens to decode to find any of `stops` ending in the newest
+    token: a string of L characters spans at most 4L tokens (a byte-level token may carry one
+    UTF-8 byte), plus a few so that the match never starts at the window's first token (where
+    a decoder may drop a leading space). Earlier matches would have stopped earlier steps."""
+    return 4 * max(len(s) for s in stops) + 4
 
 
 def token_usage(stats: dict[str, Any]) -> float:
@@ -123,7 +138,7 @@ class Scheduler:
         self.model_name = eng.served_model_name or str(ctx.cfg.model.name)
         self.metrics = metrics or EngineMetrics(self.model_name, getattr(ctx, "role", self.role))
         self.eos_ids = set(int(t) for t in (tokenizer.eos_token_ids or []))
-        self.sampler = Sampler()
+        self.sampler = Sampler(penalty_slots=max(1, self.max_running))  # one per step row
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -343,31 +358,38 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        self.sampler.release(req.serial)
         self.release_kv(req, keep=self.keeps_kv(req))
 
     def emit(self, req: Req) -> None:
         new = req.output_ids[req.num_emitted:]
         if not new and not req.finished:
             return
+        logprobs = (req.output_logprobs[req.num_emitted:len(req.output_ids)]
+                    if req.sampling.logprobs >= 0 else None)
         req.num_emitted = len(req.output_ids)
         req.sink.emit(ReqOutput(
             rid=req.rid, new_token_ids=list(new), num_output_tokens=len(req.output_ids),
             prompt_tokens=len(req.prompt_ids), finished=req.finished,
             finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
-            timeline=req.timeline))
+            timeline=req.timeline, new_logprobs=logprobs))
 
     def add_to_running(self, req: Req) -> None:
         req.status = ReqStatus.RUNNING
         self.running.append(req)
 
-    def on_prefill_finished(self, req: Req, next_token: int) -> None:
-        if not self.process_new_token(req, next_token):
+    def on_prefill_finished(self, req: Req, next_token: int,
+                            logprob: TokenLogprob | None = None) -> None:
+        if not self.process_new_token(req, next_token, logprob):
             self.add_to_running(req)
 
-    def process_new_token(self, req: Req, token: int) -> bool:
-        """Append a sampled token, emit it, finish the request if a stop condition holds."""
+    def process_new_token(self, req: Req, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Append a sampled token (and its logprob, when the request asked for them), emit it,
+        finish the request if a stop condition holds."""
         now = time.monotonic()
         req.output_ids.append(int(token))
+        if req.sampling.logprobs >= 0:
+            req.output_logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival_time)
@@ -394,7 +416,7 @@ class Scheduler:
         if tok in sp.stop_token_ids:
             return FinishReason.stop_token(tok)
         if sp.stop:
-            text = self.tokenizer.decode(req.output_ids)
+            text = self.tokenizer.decode(req.output_ids[-stop_window(sp.stop):])
             for s in sp.stop:
                 if s in text:
                     return FinishReason.stop_str(s)
@@ -595,13 +617,26 @@ class Scheduler:
     def row_params(self, req: Req) -> RowParams:
         sp = req.sampling
         return RowParams(sp.temperature, sp.top_k, sp.top_p, int(sp.seed or 0),
-                         len(req.output_ids))
+                         len(req.output_ids), min_p=sp.min_p,
+                         presence_penalty=sp.presence_penalty,
+                         frequency_penalty=sp.frequency_penalty,
+                         repetition_penalty=sp.repetition_penalty, logprobs=sp.logprobs,
+                         history=PenaltyHistory(req.serial, req.prompt_ids, req.output_ids))
+
+    @staticmethod
+    def token_logprob(result: SampleResult, i: int, req: Req) -> TokenLogprob | None:
+        """Row i's logprob for `req`, if it asked for logprobs."""
+        n = req.sampling.logprobs
+        if n < 0 or result.logprobs is None:
+            return None
+        logprob, top = result.token_logprob(i, n)
+        return TokenLogprob(logprob, tuple(top))
 
     def run_batch(self, batch: ScheduledBatch) -> None:
         self.fault.tick()  # testing: server.fault_inject_thread=scheduler kills the loop here
         try:
             logits = self.runner.forward(batch.chunks, padded=True)
-            tokens = self.sampler.sample(logits, [self.row_params(r) for r in batch.reqs])
+            result = self.sampler.sample(logits, [self.row_params(r) for r in batch.reqs])
         except Exception as exc:
             log.exception("%s batch of %d failed", batch.kind, len(batch.reqs))
             for req in batch.reqs:
@@ -621,9 +656,11 @@ class Scheduler:
                 if not batch.completes[i - batch.num_decode]:
                     continue
                 self.waiting.remove(req)
-                self.on_prefill_finished(req, int(tokens[i]))
+                self.on_prefill_finished(req, int(result.tokens[i]),
+                                         self.token_logprob(result, i, req))
             else:
-                self.process_new_token(req, int(tokens[i]))
+                self.process_new_token(req, int(result.tokens[i]),
+                                       self.token_logprob(result, i, req))
 
     # ------------------------------------------------------------------ stats
     def _evictable_pages(self, now: float) -> int:

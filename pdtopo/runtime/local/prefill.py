@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from pdtopo.kernels import select_from_kv_caches
-from pdtopo.runtime.engine.request import FinishReason, Req
+from pdtopo.runtime.engine.request import FinishReason, Req, TokenLogprob
 from pdtopo.runtime.local.engine_mixin import LocalEngineMixin
 from pdtopo.runtime.local.transfer import TransferItem, put_until
 
@@ -41,8 +41,9 @@ class LocalPrefillMixin(LocalEngineMixin):
             return
         super().handle_new_request(req)
 
-    def on_prefill_finished(self, req: Req, next_token: int) -> None:
-        if self.process_new_token(req, next_token):
+    def on_prefill_finished(self, req: Req, next_token: int,
+                            logprob: TokenLogprob | None = None) -> None:
+        if self.process_new_token(req, next_token, logprob):
             return  # finished with its first token (length 1, EOS, stop string)
         prompt_len = len(req.prompt_ids)
         packed = select_from_kv_caches(self.runner.kv_caches,
