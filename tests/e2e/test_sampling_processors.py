@@ -126,11 +126,11 @@ def test_device_counts_equal_counts_rebuilt_from_ids():
     prompt, outputs = [4, 4, 9], []
     s = Sampler(penalty_slots=2)
     for step in range(6):
-        mk = lambda: RowParams(0.0, -1, 1.0, 0, step, presence_penalty=1.5,  # noqa: E731
-                               frequency_penalty=1.0, repetition_penalty=1.2, logprobs=5,
-                               history=PenaltyHistory(7, prompt, outputs))
-        lp, top = _greedy_logprobs(s, logits[0], mk())
-        lp_fresh, top_fresh = _greedy_logprobs(Sampler(), logits[0], mk())
+        row = RowParams(0.0, -1, 1.0, 0, step, presence_penalty=1.5, frequency_penalty=1.0,
+                        repetition_penalty=1.2, logprobs=5,
+                        history=PenaltyHistory(7, prompt, outputs))
+        lp, top = _greedy_logprobs(s, logits[0], row)
+        lp_fresh, top_fresh = _greedy_logprobs(Sampler(), logits[0], row)
         assert top == top_fresh and lp == lp_fresh
         outputs.append(top[0][0])
     assert len(set(outputs)) > 1  # the penalties moved the argmax off its first choice
