@@ -163,7 +163,8 @@ BAD = [
     ({"text": "x", "sampling_params": {"top_p": 2}}, "top_p"),
     ({"text": "x", "sampling_params": {"top_k": "ten"}}, "top_k"),
     ({"text": "x", "sampling_params": {"no_such_param": 1}}, "no_such_param"),
-    ({"text": "x", "sampling_params": {"presence_penalty": 0.7}}, "presence_penalty"),
+    ({"text": "x", "sampling_params": {"presence_penalty": 2.7}}, "presence_penalty"),
+    ({"text": "x", "sampling_params": {"n": 0}}, "sampling_params.n"),
     ({"text": "x", "sampling_params": "hot"}, "sampling_params"),
     ({"text": 5}, "text"),
     ({"text": "x", "stream": "maybe"}, "stream"),
@@ -222,24 +223,27 @@ def test_metrics_names(url):
         assert name in text, name
 
 
-LOGPROB_FIELDS = [  # (route, body, the refused field, its neutral value: served)
-    ("/generate", {"text": "x", "return_logprob": True}, "return_logprob", False),
-    ("/generate", {"input_ids": [[1], [2]], "return_logprob": [False, True]}, "return_logprob",
-     [False, False]),
-    ("/generate", {"text": "x", "top_logprobs_num": 3}, "top_logprobs_num", 0),
+LOGPROB_FIELDS = [  # (route, body, the refused field, a value of it that is served)
+    ("/generate", {"text": "x", "return_logprob": True, "top_logprobs_num": 21},
+     "top_logprobs_num", 20),
+    ("/generate", {"input_ids": [[1], [2]], "return_logprob": [False, True, True]},
+     "return_logprob", [False, True]),
     ("/generate", {"text": "x", "logprob_start_len": 0}, "logprob_start_len", -1),
     ("/generate", {"text": "x", "token_ids_logprob": [5]}, "token_ids_logprob", None),
-    ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs", 0),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", 5),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs", 0),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs", 0),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": -1}, "top_logprobs", 3),
 ]
 
 
 @pytest.mark.parametrize("path,body,field,neutral", LOGPROB_FIELDS,
                          ids=[f"{p}-{f}" for p, _, f, _ in LOGPROB_FIELDS])
 def test_logprob_fields_are_400_naming_the_field(url, path, body, field, neutral):
-    """Logprobs are not computed: asking for them is refused, never silently dropped; the
-    field at its neutral value asks for nothing and is served."""
+    """What is not computed (prompt logprobs, logprobs of given ids) or out of range is
+    refused, never silently dropped; the field at a valid value is served."""
     before = httpx.get(url + "/pdtopo/state").json()["num_generated"]
     r = post(url, path, body)
     assert r.status_code == 400, (body, r.text)

@@ -29,7 +29,12 @@ from tests.support.e2e import (
     port_block,
     wait_pools_baseline,
 )
-from tests.support.engine_greedy import greedy_colocated, greedy_fresh_pd, scheduler_for
+from tests.support.engine_greedy import (
+    greedy_colocated,
+    greedy_fresh_colocated,
+    greedy_fresh_pd,
+    scheduler_for,
+)
 from tests.support.hf_checkpoints import (
     CASE_IDS,
     CASES,
@@ -90,6 +95,40 @@ def test_checkpoint_matches_hf_colocated_and_pd(tmp_path, case):
     assert greedy_fresh_pd(cfg, tok, batch, NEW_TOKENS) == [r.tokens for r in refs]
 
 
+def _hf_logprobs(ref) -> np.ndarray:
+    """HF's log-softmax at each generated position (float64)."""
+    shifted = ref.step_logits - ref.step_logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def assert_logprobs_match_hf(got, ref, top: int = 5) -> None:
+    """Per greedy token: its logprob and the top `top` (ids in order, values) within ATOL of
+    HF's log-softmax. `got`: TokenLogprob-like (logprob, top) per position."""
+    want = _hf_logprobs(ref)
+    assert len(got) == len(ref.tokens)
+    for i, (lp, token) in enumerate(zip(got, ref.tokens, strict=True)):
+        assert abs(lp[0] - want[i, token]) < ATOL, (i, lp[0], want[i, token])
+        best = np.argsort(-want[i], kind="stable")[:top]
+        assert [t for t, _ in lp[1]] == [int(t) for t in best], (i, lp[1], best)
+        np.testing.assert_allclose([v for _, v in lp[1]], want[i, best], rtol=0, atol=ATOL)
+
+
+def test_logprobs_match_hf_colocated_and_pd(tmp_path):
+    """Logprobs (top 5) of 32 greedy tokens equal HF's log-softmax within 1e-4, colocated and
+    through a P/D pair (the first token's logprob and alternatives ride P's ready message)."""
+    case = next(c for c in CASES if c.name == "qwen3_head_dim")
+    directory, model = build(case, tmp_path)
+    cfg = compose_config(["model=hf_local", f"model.path={directory}", *ENGINE])
+    batch = prompts(seed=21)
+    refs = [hf_greedy(model, p, NEW_TOKENS) for p in batch]
+    tok = load_tokenizer(cfg.model)
+    for reqs in (greedy_fresh_colocated(cfg, tok, batch, NEW_TOKENS, logprobs=5),
+                 greedy_fresh_pd(cfg, tok, batch, NEW_TOKENS, logprobs=5)):
+        for req, ref in zip(reqs, refs, strict=True):
+            assert req.output_ids == ref.tokens
+            assert_logprobs_match_hf([(lp.logprob, lp.top) for lp in req.output_logprobs], ref)
+
+
 def test_tensor_parallel_qwen3_matches_hf(tmp_path):
     """tp=2 splits Qwen3's heads (and its per-head q/k norms stay whole per head)."""
     case = Case("qwen3_tp2", "qwen3", heads=6, kv_heads=2, head_dim=16, hidden=48)
@@ -126,7 +165,8 @@ def test_launched_1p1d_serves_hf_tokens(tmp_path):
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     chat_ids = hf_chat_ids(hf_tok, chat)
     chat_tokens = hf_generate(model, chat_ids, NEW_TOKENS)
-    assert hf_greedy(model, chat_ids, NEW_TOKENS).min_margin > ATOL
+    chat_ref = hf_greedy(model, chat_ids, NEW_TOKENS)
+    assert chat_ref.min_margin > ATOL
     engine = [o for o in ENGINE if o.split("=")[0] not in ("model.tokenizer",
                                                            "engine.max_model_len")]
     dep = Deployment(tmp_path / "run", ["model=hf_local", f"model.path={directory}", *engine,
@@ -150,9 +190,50 @@ def test_launched_1p1d_serves_hf_tokens(tmp_path):
         assert body["usage"]["completion_tokens"] == NEW_TOKENS
         assert body["choices"][0]["message"]["content"] == hf_tok.decode(
             chat_tokens, skip_special_tokens=True)
+        check_pd_sampling_api(dep.proxy_url, batch[0], refs[0], chat, chat_ref)
         wait_pools_baseline(dep)
     finally:
         dep.stop_and_check()
+
+
+def check_pd_sampling_api(proxy: str, prompt: list[int], ref, chat: list[dict], chat_ref) -> None:
+    """Through the router and a P/D pair: /generate's logprobs (top 5) and a chat's typed
+    logprobs equal HF's; n > 1 (the router sends one body, with a room per completion for
+    chat and one room for /generate) gives seeded, distinct, reproducible completions."""
+    from openai.types.chat import ChatCompletion
+
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    meta = generate(proxy, {"input_ids": prompt, "sampling_params": sampling,
+                            "return_logprob": True, "top_logprobs_num": 5})["meta_info"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == ref.tokens
+    assert_logprobs_match_hf(
+        [(lp, [(t, v) for v, t, _ in top]) for (lp, _, _), top in
+         zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True)], ref)
+    resp = httpx.post(f"{proxy}/v1/chat/completions", timeout=120, json={
+        "messages": chat, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+        "logprobs": True, "top_logprobs": 5})
+    content = ChatCompletion.model_validate(resp.json()).choices[0].logprobs.content
+    want = _hf_logprobs(chat_ref)
+    np.testing.assert_allclose([c.logprob for c in content],
+                               [want[i, t] for i, t in enumerate(chat_ref.tokens)], atol=ATOL)
+    assert all(len(c.top_logprobs) == 5 for c in content)
+    for path, body in (("/v1/chat/completions", {"messages": chat, "max_tokens": 8}),
+                       ("/generate", {"input_ids": prompt,
+                                      "sampling_params": {"max_new_tokens": 8}})):
+        seeded = {"temperature": 1.0, "ignore_eos": True, "n": 3}
+        if path == "/generate":  # the router keeps sglang's name (it drops `seed` there)
+            body["sampling_params"].update(seeded, sampling_seed=11)
+        else:
+            body.update(seeded, seed=11)
+        runs = []
+        for _ in range(2):
+            r = httpx.post(proxy + path, json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            out = r.json()
+            runs.append([c["message"]["content"] for c in out["choices"]] if "choices" in out
+                        else [o["output_ids"] for o in out])
+        assert len(runs[0]) == 3 and runs[0] == runs[1], (path, runs)
+        assert len({str(x) for x in runs[0]}) == 3, (path, runs[0])
 
 
 BF16_ATOL = 0.15  # bf16 logits (8-bit mantissa) of two implementations: measured <= 0.093

@@ -92,7 +92,7 @@ def test_sampling_params_validation_names_the_field():
            ({"presence_penalty": 2.5}, "presence_penalty"),
            ({"frequency_penalty": "x"}, "frequency_penalty"),
            ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
-           ({"n": 2}, "n")]
+           ({"n": 0}, "n"), ({"n": 129}, "n")]
     for d, name in bad:
         with pytest.raises(InvalidRequest) as ei:
             _sp(d)

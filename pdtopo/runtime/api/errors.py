@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from pdtopo.runtime.api.state import EngineUnavailable
-from pdtopo.runtime.engine.request import InvalidRequest
+from pdtopo.runtime.engine.request import UINT64_MAX, InvalidRequest
 
 log = logging.getLogger("pdtopo.api")
 
@@ -48,16 +48,21 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(msgs), _loc(first.get("loc", ()))
 
 
-def _rooms(value) -> list[int]:
+def _rooms(value, n: int) -> list[int]:
+    """The rooms D waits on for this body: `fanout.spread`'s rule for n completions each."""
     values = value if isinstance(value, list) else [value]
-    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    values = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    if n == 1 or (isinstance(value, list) and len(value) == n):
+        return values
+    return [(v + i) % (UINT64_MAX + 1) for v in values for i in range(n)]
 
 
 def tell_peer_rejected(request: Request, exc: InvalidRequest) -> None:
     """A prefill server that rejects a PD request (too long, bad sampling values) tells the
     decode server waiting for that room's KV at once, over the side channel, so D ends the
     request with the same 400 instead of waiting `kv_timeout_s` for KV that never comes."""
-    rooms = _rooms(getattr(request.state, "bootstrap_rooms", None))
+    rooms = _rooms(getattr(request.state, "bootstrap_rooms", None),
+                   getattr(request.state, "completions", 1))
     scheduler = getattr(getattr(request.app.state, "server", None), "scheduler", None)
     reject = getattr(scheduler, "reject_room", None)
     if not rooms or reject is None:

@@ -5,9 +5,10 @@ Routes: POST /generate, GET /health, /health_generate, /get_server_info (/server
 POST /flush_cache. Each handler gets the server's `ServerState` through the `ServerDep`
 dependency (`routing.py`). /generate validates and tokenizes the whole body first (its prompts
 off the event loop, `ServerState.off_loop`; then `generate_items`: every item checked before
-any is submitted), submits one `Req` per item to
-the scheduler, then streams their outputs as SSE (`generate_events`) or awaits their sinks and
-answers with sglang's result objects (`generate_result`).
+any is submitted), submits `sampling_params.n` requests per item to the scheduler
+(`fanout.py`), then streams their outputs as SSE (`generate_events`) or awaits their sinks and
+answers with sglang's result objects (`generate_result`, with output logprobs in
+`meta_info` when `return_logprob` asks).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from fastapi.responses import JSONResponse, Response
 
 from pdtopo.runtime.api.drain_routes import in_flight
 from pdtopo.runtime.api.errors import error_response
-from pdtopo.runtime.api.protocol import GenerateRequest, parse_body, refuse_logprob_fields
+from pdtopo.runtime.api.fanout import submit_completions
+from pdtopo.runtime.api.logprob_format import sglang_logprobs
+from pdtopo.runtime.api.protocol import GenerateRequest, check_logprob_fields, parse_body
 from pdtopo.runtime.api.routing import (
     ServerDep,
     event_stream,
@@ -60,6 +63,13 @@ def _per_item(value: Any, n: int, field_name: str, batch: bool) -> list[Any]:
             raise InvalidRequest(field_name, f"{field_name} must be a single value here")
         return value
     return [value] * n
+
+
+def _item_logprobs(body: GenerateRequest, n: int, batch: bool) -> list[int]:
+    """Each item's logprobs setting (SamplingParams.logprobs: -1 none, else top_n)."""
+    wants = _per_item(body.return_logprob, n, "return_logprob", batch)
+    tops = _per_item(body.top_logprobs_num, n, "top_logprobs_num", batch)
+    return [(top or 0) if want else -1 for want, top in zip(wants, tops, strict=True)]
 
 
 def _item_rids(rid: Any, n: int, batch: bool) -> list[str | None]:
@@ -119,18 +129,32 @@ def generate_items(state: ServerState, body: GenerateRequest,
     sampling = _sampling_per_item(body.sampling_params, n)
     prepared = [state.prepare(p, sp, prompt_field=f, sampling_prefix=prefix)
                 for p, (sp, prefix), f in zip(prompts, sampling, fields, strict=True)]
+    for prep, logprobs in zip(prepared, _item_logprobs(body, n, batch), strict=True):
+        prep.sampling.logprobs = logprobs
     rids = _item_rids(body.rid, n, batch)
-    hosts = _per_item(body.bootstrap_host, n, "bootstrap_host", batch)
-    ports = _per_item(body.bootstrap_port, n, "bootstrap_port", batch)
-    rooms = _per_item(body.bootstrap_room, n, "bootstrap_room", batch)
-    handles = [state.submit(p, rid=r, bootstrap_host=h, bootstrap_port=pt, bootstrap_room=rm)
-               for p, r, h, pt, rm in zip(prepared, rids, hosts, ports, rooms, strict=True)]
-    return handles, batch
+    routing = {"bootstrap_host": body.bootstrap_host, "bootstrap_port": body.bootstrap_port,
+               "bootstrap_room": body.bootstrap_room}
+    handles = submit_completions(state, prepared, rids, routing)
+    return handles, batch or len(handles) > 1
 
 
 # ---------------------------------------------------------------- /generate: handles -> bodies
-def generate_result(h: Handle, view: TextView, upto: ReqOutput | None = None) -> dict[str, Any]:
-    """sglang's /generate result; `upto`: as of that output (streaming), else the final one."""
+def _logprob_fields(h: Handle, view: TextView, ids: list[int],
+                    with_text: bool) -> dict[str, Any]:
+    """meta_info's logprob fields (none unless the request asked for logprobs). Prompt
+    logprobs are not computed: the input fields are empty."""
+    top_n = h.req.sampling.logprobs
+    if top_n < 0:
+        return {}
+    return {"input_token_logprobs": [], **({"input_top_logprobs": []} if top_n else {}),
+            **sglang_logprobs(view.tokenizer, ids, h.output_logprobs[:len(ids)], top_n,
+                              with_text)}
+
+
+def generate_result(h: Handle, view: TextView, upto: ReqOutput | None = None,
+                    with_text: bool = False) -> dict[str, Any]:
+    """sglang's /generate result; `upto`: as of that output (streaming), else the final one;
+    `with_text`: logprob entries carry their token's text (`return_text_in_logprobs`)."""
     out = upto or h.final
     ids = h.output_ids[:out.num_output_tokens] if out is not None else list(h.output_ids)
     final = out if out is not None and out.finished else None
@@ -145,12 +169,13 @@ def generate_result(h: Handle, view: TextView, upto: ReqOutput | None = None) ->
             "finish_reason": final.finish_reason if final else None,
             "e2e_latency": time.perf_counter() - h.started,
             **({"pd_timeline": out.timeline} if out is not None and out.timeline else {}),
+            **_logprob_fields(h, view, ids, with_text),
         },
     }
 
 
-async def generate_events(handles: list[Handle], views: list[TextView],
-                          batch: bool) -> AsyncIterator[str]:
+async def generate_events(handles: list[Handle], views: list[TextView], batch: bool,
+                          with_text: bool = False) -> AsyncIterator[str]:
     """The SSE stream of /generate: one result chunk per output (with its `index` in a batch)."""
     async for i, out in merged_outputs(handles):
         h = handles[i]
@@ -158,7 +183,7 @@ async def generate_events(handles: list[Handle], views: list[TextView],
         if err is not None:
             yield stream_error_event(h, err, **({"index": i} if batch else {}))
             continue
-        chunk = generate_result(h, views[i], out)
+        chunk = generate_result(h, views[i], out, with_text)
         if batch:
             chunk["index"] = i
         yield sse(chunk)
@@ -169,15 +194,17 @@ async def generate_events(handles: list[Handle], views: list[TextView],
 async def generate(request: Request, state: ServerDep):
     body = await parse_body(request, GenerateRequest)
     state.require_engine()
-    refuse_logprob_fields(body)  # before tokenizing: a long prompt takes seconds
+    check_logprob_fields(body)  # before tokenizing: a long prompt takes seconds
     tokenized = await state.off_loop(_generate_prompts, state, body)
     handles, batch = generate_items(state, body, tokenized)
     views = [TextView(state.tokenizer, h) for h in handles]
+    with_text = body.return_text_in_logprobs
     if body.stream:
-        return event_stream(generate_events(handles, views, batch))
+        return event_stream(generate_events(handles, views, batch, with_text))
     if (err := await finished_or_error(handles, request)) is not None:
         return err
-    results = [generate_result(h, v) for h, v in zip(handles, views, strict=True)]
+    results = [generate_result(h, v, with_text=with_text)
+               for h, v in zip(handles, views, strict=True)]
     return JSONResponse(results if batch else results[0])
 
 

@@ -4,12 +4,13 @@ POST /v1/chat/completions, each answered whole or streamed as SSE chunks (`strea
 Each handler gets the server's `ServerState` through the `ServerDep` dependency (`routing.py`),
 tokenizes its prompt(s) off the event loop (`ServerState.off_loop`; a completion's prompt:
 text, texts, ids or lists of ids; a chat's messages: rendered with the tokenizer's chat
-template), maps the OpenAI fields onto pdtopo's
-sampling values (`max_tokens` / `max_completion_tokens` -> max_new_tokens, `seed`, `stop`, plus
-the sglang extensions top_k, ignore_eos, stop_token_ids), validates everything before it submits
-one `Req` per prompt, and then builds the `text_completion` / `chat.completion` body or its
-chunks from the handles' outputs. Unsupported options (n > 1, logprobs, top_logprobs, echo,
-non-zero penalties) are 400s naming the field.
+template), maps the OpenAI fields onto pdtopo's sampling values (`max_tokens` /
+`max_completion_tokens` -> max_new_tokens, `n`, `seed`, `stop`, the penalties, min_p, plus the
+sglang extensions top_k, ignore_eos, stop_token_ids), validates everything before it submits
+`n` requests per prompt (`fanout.py`), and then builds the `text_completion` /
+`chat.completion` body or its chunks from the handles' outputs, with logprobs in OpenAI's two
+shapes when asked for (`logprob_format.py`: completions' `logprobs: k`, chat's `logprobs` and
+`top_logprobs`). `echo` is a 400 naming the field (prompt logprobs are not computed).
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from pdtopo.runtime.api.fanout import submit_completions
+from pdtopo.runtime.api.logprob_format import chat_logprobs, completion_logprobs
 from pdtopo.runtime.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _OpenAICommon,
+    check_top_logprobs,
     parse_body,
 )
 from pdtopo.runtime.api.routing import (
@@ -47,20 +51,24 @@ from pdtopo.runtime.engine.request import InvalidRequest, new_rid
 router = APIRouter()
 
 
-def _refuse_unsupported(body: _OpenAICommon) -> None:
-    """Options pdtopo does not implement are a 400 naming the field (checked before the prompt
-    is tokenized: a long one takes seconds)."""
-    if body.n not in (None, 1):
-        raise InvalidRequest("n", f"n={body.n} is not supported (only 1)")
-    if body.logprobs not in (None, False, 0):
-        raise InvalidRequest("logprobs", "logprobs are not supported")
-    if body.top_logprobs not in (None, 0):
-        raise InvalidRequest("top_logprobs", f"top_logprobs={body.top_logprobs!r} is not "
-                             "supported (pdtopo does not compute logprobs)")
+def _completion_logprobs(body: CompletionRequest) -> int:
+    """SamplingParams.logprobs of a completion (`logprobs`: how many alternatives; checked
+    before the prompt is tokenized: a long one takes seconds)."""
+    check_top_logprobs(body.logprobs, "logprobs")
+    return -1 if body.logprobs is None else body.logprobs
+
+
+def _chat_logprobs(body: ChatCompletionRequest) -> int:
+    """SamplingParams.logprobs of a chat (`logprobs: true`, `top_logprobs`: how many)."""
+    check_top_logprobs(body.top_logprobs, "top_logprobs")
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true")
+    return (body.top_logprobs or 0) if body.logprobs else -1
 
 
 def _sampling_dict(body: _OpenAICommon, max_tokens: int | None) -> dict[str, Any]:
-    d = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+    d = {"max_new_tokens": max_tokens, "n": body.n, "temperature": body.temperature,
+         "top_p": body.top_p,
          "top_k": body.top_k, "seed": body.seed, "stop": body.stop,
          "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
          "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
@@ -78,22 +86,21 @@ def _rename_field(exc: InvalidRequest, mapping: dict[str, str]) -> InvalidReques
 
 
 def _prepare(state: ServerState, prompt_ids: list[int], body: _OpenAICommon,
-             max_tokens: int | None, max_tokens_name: str, prompt_field: str) -> Prepared:
+             max_tokens: int | None, max_tokens_name: str, prompt_field: str,
+             logprobs: int) -> Prepared:
     mapping = {"max_new_tokens": max_tokens_name}
     try:
         sp = _sampling_dict(body, max_tokens)
-        return state.prepare(prompt_ids, sp, prompt_field=prompt_field,
-                             max_tokens_field=max_tokens_name)
+        prepared = state.prepare(prompt_ids, sp, prompt_field=prompt_field,
+                                 max_tokens_field=max_tokens_name)
     except InvalidRequest as e:
         raise _rename_field(e, mapping) from None
+    prepared.sampling.logprobs = logprobs
+    return prepared
 
 
-def _bootstrap(body: _OpenAICommon, i: int) -> dict[str, Any]:
-    out = {}
-    for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
-        v = getattr(body, k)
-        out[k] = v[i] if isinstance(v, list) else v
-    return out
+def _routing(body: _OpenAICommon) -> dict[str, Any]:
+    return {k: getattr(body, k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
 
 
 def _usage(handles: list[Handle]) -> dict[str, Any]:
@@ -140,27 +147,42 @@ def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
 def _submit_completions(state: ServerState, body: CompletionRequest,
                         prompts: list[list[int]]) -> tuple[str, list[Handle]]:
     """Validate every prompt (`_completion_prompts`), then submit them: (the response id, one
-    handle per prompt)."""
+    handle per completion: n per prompt, prompt by prompt)."""
+    logprobs = _completion_logprobs(body)
     prepared = [_prepare(state, ids, body, body.max_tokens, "max_tokens",
-                         "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                         "prompt" if len(prompts) == 1 else f"prompt[{i}]", logprobs)
                 for i, ids in enumerate(prompts)]
     base = body.rid or f"cmpl-{new_rid()}"
-    handles = [state.submit(pr, rid=base if len(prepared) == 1 else f"{base}_{i}",
-                            **_bootstrap(body, i)) for i, pr in enumerate(prepared)]
-    return base, handles
+    rids = [base] if len(prepared) == 1 else [f"{base}_{i}" for i in range(len(prepared))]
+    return base, submit_completions(state, prepared, rids, _routing(body))
 
 
-def _completion_body(env: _Envelope, handles: list[Handle],
+def _token_logprobs(state: ServerState, h: Handle, start: int, end: int,
+                    offset: int = 0) -> dict[str, Any] | None:
+    """Completion logprobs of output tokens [start, end) (None: not asked for)."""
+    top_n = h.req.sampling.logprobs
+    if top_n < 0:
+        return None
+    return completion_logprobs(state.tokenizer, h.output_ids[start:end],
+                               h.output_logprobs[start:end], top_n, offset)
+
+
+def _completion_body(state: ServerState, env: _Envelope, handles: list[Handle],
                      views: list[TextView]) -> dict[str, Any]:
-    choices = [{"index": i, "text": v.visible(h.output_ids, h.final), "logprobs": None,
+    choices = [{"index": i, "text": v.visible(h.output_ids, h.final),
+                "logprobs": _token_logprobs(state, h, 0, len(h.output_ids)),
                 "finish_reason": openai_finish_reason(h.final)}
                for i, (h, v) in enumerate(zip(handles, views, strict=True))]
     return {**env.fields("text_completion"), "choices": choices, "usage": _usage(handles)}
 
 
-async def _completion_events(env: _Envelope, handles: list[Handle], views: list[TextView],
+async def _completion_events(state: ServerState, env: _Envelope, handles: list[Handle],
+                             views: list[TextView],
                              include_usage: bool) -> AsyncIterator[str]:
-    """One chunk per output with new visible text (or a finish), then usage, then [DONE]."""
+    """One chunk per output with new visible text, new logprobs or a finish, then usage,
+    then [DONE]."""
+    reported = [0] * len(handles)  # output tokens whose logprobs were sent, per choice
+    offsets = [0] * len(handles)   # their text's length (the next text_offset)
     async for i, out in merged_outputs(handles):
         h = handles[i]
         err = abort_error(out) if out.finished else None
@@ -169,10 +191,14 @@ async def _completion_events(env: _Envelope, handles: list[Handle], views: list[
             continue
         ids = h.output_ids[:out.num_output_tokens]
         delta = views[i].delta(ids, out if out.finished else None)
-        if not delta and not out.finished:
+        logprobs = _token_logprobs(state, h, reported[i], len(ids), offsets[i])
+        if logprobs is not None:
+            reported[i] = len(ids)
+            offsets[i] += sum(len(t) for t in logprobs["tokens"])
+        if not delta and not out.finished and not (logprobs and logprobs["tokens"]):
             continue
         yield sse({**env.fields("text_completion"), "choices": [{
-            "index": i, "text": delta, "logprobs": None,
+            "index": i, "text": delta, "logprobs": logprobs,
             "finish_reason": openai_finish_reason(out) if out.finished else None}]})
     if include_usage:
         yield sse({**env.fields("text_completion"), "choices": [], "usage": _usage(handles)})
@@ -185,16 +211,17 @@ async def completions(request: Request, state: ServerDep):
     state.require_engine()
     if body.echo:
         raise InvalidRequest("echo", "echo is not supported")
-    _refuse_unsupported(body)
+    _completion_logprobs(body)
     prompts = await state.off_loop(_completion_prompts, state, body.prompt)  # a long one: seconds
     base, handles = _submit_completions(state, body, prompts)
     views = [TextView(state.tokenizer, h) for h in handles]
     env = _envelope(state, body, base)
     if body.stream:
-        return event_stream(_completion_events(env, handles, views, _include_usage(body)))
+        return event_stream(_completion_events(state, env, handles, views,
+                                               _include_usage(body)))
     if (err := await finished_or_error(handles, request)) is not None:
         return err
-    return _completion_body(env, handles, views)
+    return _completion_body(state, env, handles, views)
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -218,37 +245,56 @@ def _chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
     return body.max_tokens, "max_tokens"
 
 
-def _chat_body(env: _Envelope, h: Handle, view: TextView) -> dict[str, Any]:
-    message = {"role": "assistant", "content": view.visible(h.output_ids, h.final)}
-    return {**env.fields("chat.completion"),
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": openai_finish_reason(h.final)}],
-            "usage": _usage([h])}
+def _chat_token_logprobs(state: ServerState, h: Handle, start: int,
+                         end: int) -> dict[str, Any] | None:
+    top_n = h.req.sampling.logprobs
+    if top_n < 0:
+        return None
+    return chat_logprobs(state.tokenizer, h.output_ids[start:end], h.output_logprobs[start:end],
+                         top_n)
 
 
-def _chat_chunk(env: _Envelope, delta: dict[str, Any], finish: str | None = None) -> str:
+def _chat_body(state: ServerState, env: _Envelope, handles: list[Handle],
+               views: list[TextView]) -> dict[str, Any]:
+    choices = [{"index": i,
+                "message": {"role": "assistant", "content": v.visible(h.output_ids, h.final)},
+                "logprobs": _chat_token_logprobs(state, h, 0, len(h.output_ids)),
+                "finish_reason": openai_finish_reason(h.final)}
+               for i, (h, v) in enumerate(zip(handles, views, strict=True))]
+    return {**env.fields("chat.completion"), "choices": choices, "usage": _usage(handles)}
+
+
+def _chat_chunk(env: _Envelope, index: int, delta: dict[str, Any], finish: str | None = None,
+                logprobs: dict[str, Any] | None = None) -> str:
     return sse({**env.fields("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                              "finish_reason": finish}]})
 
 
-async def _chat_events(env: _Envelope, h: Handle, view: TextView,
-                       include_usage: bool) -> AsyncIterator[str]:
-    """The assistant role, content deltas, a finish chunk, then usage, then [DONE]."""
-    yield _chat_chunk(env, {"role": "assistant", "content": ""})
-    async for _, out in merged_outputs([h]):
+async def _chat_events(state: ServerState, env: _Envelope, handles: list[Handle],
+                       views: list[TextView], include_usage: bool) -> AsyncIterator[str]:
+    """Per choice: the assistant role, content deltas (with the new tokens' logprobs when asked
+    for), a finish chunk; then usage, then [DONE]."""
+    for i in range(len(handles)):
+        yield _chat_chunk(env, i, {"role": "assistant", "content": ""})
+    reported = [0] * len(handles)
+    async for i, out in merged_outputs(handles):
+        h = handles[i]
         err = abort_error(out) if out.finished else None
         if err is not None:
             yield stream_error_event(h, err)
             continue
         ids = h.output_ids[:out.num_output_tokens]
-        delta = view.delta(ids, out if out.finished else None)
-        if delta:
-            yield _chat_chunk(env, {"content": delta})
+        delta = views[i].delta(ids, out if out.finished else None)
+        logprobs = _chat_token_logprobs(state, h, reported[i], len(ids))
+        reported[i] = len(ids)
+        if delta or (logprobs and logprobs["content"]):
+            yield _chat_chunk(env, i, {"content": delta}, logprobs=logprobs)
         if out.finished:
-            yield _chat_chunk(env, {}, openai_finish_reason(out))
+            yield _chat_chunk(env, i, {}, openai_finish_reason(out))
     if include_usage:
-        yield sse({**env.fields("chat.completion.chunk"), "choices": [], "usage": _usage([h])})
+        yield sse({**env.fields("chat.completion.chunk"), "choices": [],
+                   "usage": _usage(handles)})
     yield SSE_DONE
 
 
@@ -256,16 +302,16 @@ async def _chat_events(env: _Envelope, h: Handle, view: TextView,
 async def chat_completions(request: Request, state: ServerDep):
     body = await parse_body(request, ChatCompletionRequest)
     state.require_engine()
-    _refuse_unsupported(body)
+    logprobs = _chat_logprobs(body)
     ids = await state.off_loop(_chat_prompt_ids, state, body)  # template + tokens: off the loop
     max_tokens, max_tokens_name = _chat_max_tokens(body)
-    prepared = _prepare(state, ids, body, max_tokens, max_tokens_name, "messages")
+    prepared = _prepare(state, ids, body, max_tokens, max_tokens_name, "messages", logprobs)
     cid = body.rid or f"chatcmpl-{new_rid()}"
-    h = state.submit(prepared, rid=cid, **_bootstrap(body, 0))
-    view = TextView(state.tokenizer, h)
+    handles = submit_completions(state, [prepared], [cid], _routing(body))
+    views = [TextView(state.tokenizer, h) for h in handles]
     env = _envelope(state, body, cid)
     if body.stream:
-        return event_stream(_chat_events(env, h, view, _include_usage(body)))
-    if (err := await finished_or_error([h], request)) is not None:
+        return event_stream(_chat_events(state, env, handles, views, _include_usage(body)))
+    if (err := await finished_or_error(handles, request)) is not None:
         return err
-    return _chat_body(env, h, view)
+    return _chat_body(state, env, handles, views)

@@ -24,6 +24,8 @@ from pydantic import (
 )
 
 from pdtopo.runtime.engine.request import (
+    MAX_N,
+    MAX_TOP_LOGPROBS,
     InvalidRequest,
     bootstrap_host_problem,
     bootstrap_port_problem,
@@ -61,10 +63,11 @@ class GenerateRequest(_Body):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
-    return_logprob: Any = None       # refused unless neutral: see refuse_logprob_fields
-    top_logprobs_num: Any = None
-    logprob_start_len: Any = None
+    return_logprob: bool | list[bool] | None = None   # see check_logprob_fields
+    top_logprobs_num: int | list[int] | None = None
+    logprob_start_len: int | list[int] | None = None
     token_ids_logprob: Any = None
+    return_text_in_logprobs: bool = False
     bootstrap_host: _Host | list[_Host | None] | None = None
     bootstrap_port: _Port | list[_Port | None] | None = None
     bootstrap_room: _Room | list[_Room | None] | None = None
@@ -91,8 +94,6 @@ class _OpenAICommon(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_p: float | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     user: str | None = None
     rid: str | None = None
     bootstrap_host: _Host | list[_Host | None] | None = None
@@ -103,6 +104,7 @@ class _OpenAICommon(_Body):
 class CompletionRequest(_OpenAICommon):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: StrictInt | None = None       # the top alternatives per token (0: none)
 
 
 class ChatMessage(_Body):
@@ -113,27 +115,30 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_OpenAICommon):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: StrictInt | None = None
 
 
-# /generate's logprob fields and the value each may have until logprobs exist (sglang's defaults)
-_GENERATE_LOGPROB_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "return_logprob": (None, False), "top_logprobs_num": (None, 0),
-    "logprob_start_len": (None, -1), "token_ids_logprob": (None,)}
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
 
 
-def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
-    """Whether a field (or each entry of a batch's list) has a value that asks for nothing."""
-    items = value if isinstance(value, list) else [value]
-    return all(v in allowed for v in items)
+def check_top_logprobs(value: Any, name: str) -> None:
+    if any(v is not None and not 0 <= v <= MAX_TOP_LOGPROBS for v in _items(value)):
+        raise InvalidRequest(name, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
 
 
-def refuse_logprob_fields(body: GenerateRequest) -> None:
-    """Logprobs are not implemented: a /generate field asking for them is a 400 naming it."""
-    for name, allowed in _GENERATE_LOGPROB_NEUTRAL.items():
-        value = getattr(body, name)
-        if not _neutral(value, allowed):
-            raise InvalidRequest(name, f"{name}={value!r} is not supported "
-                                       "(pdtopo does not compute logprobs)")
+def check_logprob_fields(body: GenerateRequest) -> None:
+    """/generate's logprob fields, checked before the prompt is tokenized (a long one takes
+    seconds): output logprobs are computed; prompt logprobs (`logprob_start_len` >= 0) and
+    logprobs of chosen ids (`token_ids_logprob`) are not, and asking for them is a 400."""
+    check_top_logprobs(body.top_logprobs_num, "top_logprobs_num")
+    if any(v not in (None, -1) for v in _items(body.logprob_start_len)):
+        raise InvalidRequest("logprob_start_len", f"logprob_start_len="
+                             f"{body.logprob_start_len!r} asks for prompt logprobs, which "
+                             "pdtopo does not compute (only -1: output tokens)")
+    if any(v is not None for v in _items(body.token_ids_logprob)):
+        raise InvalidRequest("token_ids_logprob", "token_ids_logprob is not supported")
 
 
 async def parse_body(request, model: type[BaseModel]):
@@ -147,6 +152,9 @@ async def parse_body(request, model: type[BaseModel]):
         raise InvalidRequest(None, "the request body must be a JSON object")
     # the PD rooms of the request, for the error handler: a P that rejects a request tells D
     request.state.bootstrap_rooms = data.get("bootstrap_room")
+    sampling = data.get("sampling_params")
+    n = data.get("n", sampling.get("n") if isinstance(sampling, dict) else None)
+    request.state.completions = n if isinstance(n, int) and 1 <= n <= MAX_N else 1
     try:
         return model.model_validate(data)
     except ValidationError as e:

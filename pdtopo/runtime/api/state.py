@@ -29,6 +29,7 @@ from pdtopo.runtime.engine.request import (
     Req,
     ReqOutput,
     SamplingParams,
+    TokenLogprob,
     new_rid,
 )
 from pdtopo.runtime.load_progress import LoadProgress
@@ -57,6 +58,7 @@ class Handle:
     sink: AsyncSink
     state: ServerState
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # if asked for
     final: ReqOutput | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -70,6 +72,7 @@ class Handle:
         else:
             out = await asyncio.wait_for(self.sink.get(), timeout)
         self.output_ids.extend(out.new_token_ids)
+        self.output_logprobs.extend(out.new_logprobs or ())
         if out.finished:
             self.final = out
         return out
@@ -187,13 +190,17 @@ class ServerState:
         return Prepared(prompt_ids, sp)
 
     def submit(self, prep: Prepared, *, rid: str | None = None, bootstrap_host=None,
-               bootstrap_port=None, bootstrap_room=None, health_check: bool = False) -> Handle:
-        """`health_check`: a local probe that P and D run without a PD peer."""
+               bootstrap_port=None, bootstrap_room=None, health_check: bool = False,
+               leader: Handle | None = None, followers: int = 0) -> Handle:
+        """`health_check`: a local probe that P and D run without a PD peer. n > 1 (`fanout`):
+        the first completion of a prompt is submitted with its number of `followers`, the
+        others with that one as their `leader`."""
         sched = self.require_engine()
         sink = AsyncSink()
         req = Req(rid=rid or new_rid(), prompt_ids=prep.prompt_ids, sampling=prep.sampling,
                   sink=sink, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port,
-                  bootstrap_room=bootstrap_room)
+                  bootstrap_room=bootstrap_room, num_followers=followers,
+                  leader=leader.req if leader is not None else None)
         if health_check:
             req.extra["health_check"] = True
         sched.submit(req)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 UINT64_MAX = 2**64 - 1
 MAX_TOP_LOGPROBS = 20     # alternatives per token a request may ask for (OpenAI's limit)
+MAX_N = 128               # completions one request may ask for (`n`)
 
 
 class InvalidRequest(ValueError):
@@ -85,7 +86,6 @@ def check_bootstrap_fields(host: Any, port: Any, room: Any) -> None:
 # sglang sampling keys pdtopo accepts only at their neutral value (the Rust router may forward them).
 _NEUTRAL_SGLANG_KEYS: dict[str, Any] = {
     "min_new_tokens": 0,
-    "n": 1,
     "regex": None,
     "json_schema": None,
     "ebnf": None,
@@ -132,6 +132,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # not sglang sampling keys: set by the routes from return_logprob / logprobs fields
     logprobs: int = -1                  # -1: none; 0: the sampled token's; k: plus the top k
+    n: int = 1                          # completions of the prompt (the routes fan them out)
 
     @property
     def is_greedy(self) -> bool:
@@ -182,6 +183,11 @@ class SamplingParams:
                     raise InvalidRequest(name(key), f"{name(key)} must be an integer in [0, 2^64), "
                                          f"got {value!r}")
                 p.seed = value
+            elif key == "n":
+                if not _is_int(value) or not 1 <= value <= MAX_N:
+                    raise InvalidRequest(name(key), f"{name(key)} must be an integer in "
+                                         f"[1, {MAX_N}], got {value!r}")
+                p.n = value
             elif key in _PENALTY_RANGES:
                 low, high = _PENALTY_RANGES[key]
                 if not _is_number(value) or not math.isfinite(value) or \
@@ -374,6 +380,10 @@ class Req:
     num_preemptions: int = 0
     timeline: dict[str, float] | None = None  # PD stages (ms), set by D when decoding starts
     extra: dict[str, Any] = field(default_factory=dict)  # free space for mixins
+    # n > 1: the completions of one prompt. The first (`num_followers` > 0) offers its prompt's
+    # pages to the prefix cache when its prefill ends; the others (`leader` set) wait for that
+    leader: Req | None = None
+    num_followers: int = 0
     serial: int = field(default_factory=lambda: next(_req_serials))  # unique in this process
 
     @property

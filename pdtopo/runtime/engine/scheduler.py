@@ -555,6 +555,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(batch.reqs) >= self.max_running:
                 break
+            if self.awaits_leader(req):
+                break  # FCFS: an n > 1 completion waits for its prompt's pages in the cache
             if not self.may_start(req):
                 break  # FCFS: a mixin holds it back (P: its held-KV budget)
             fresh = not req.page_ids
@@ -583,6 +585,19 @@ class Scheduler:
             batch.completes.append(n == remaining)
             budget -= n
         return batch if batch.reqs else None
+
+    def awaits_leader(self, req: Req) -> bool:
+        """Whether an n > 1 follower must wait: its leader (the first completion of the same
+        prompt) is still waiting for its prefill here, and a prefix cache will hold the
+        prompt's pages when it is done. Once it need not, it never waits again."""
+        leader = req.leader
+        if leader is None:
+            return False
+        if (self.prefix_cache is not None and leader.status == ReqStatus.WAITING
+                and self.reqs.get(leader.rid) is leader):
+            return True
+        req.leader = None
+        return False
 
     def may_start(self, req: Req) -> bool:
         """Whether a waiting request may be scheduled now (always here; P holds back requests
@@ -655,6 +670,9 @@ class Scheduler:
                 self.metrics.computed_tokens.inc(n)
                 if not batch.completes[i - batch.num_decode]:
                     continue
+                if req.num_followers and self.prefix_cache is not None:
+                    # the other completions of this prompt start from these pages
+                    self.prefix_cache.insert(req.all_ids, req.page_ids, req.num_computed)
                 self.waiting.remove(req)
                 self.on_prefill_finished(req, int(result.tokens[i]),
                                          self.token_logprob(result, i, req))
