@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import jax
@@ -46,6 +45,7 @@ from pdtopo.runtime.engine.step_inputs import (
     warmup_steps,
 )
 from pdtopo.runtime.engine.step_programs import StepPrograms
+from pdtopo.runtime.engine.step_transfer import StepTransfer
 from pdtopo.runtime.model import llama
 from pdtopo.runtime.model.loader import load_params
 
@@ -91,6 +91,11 @@ def tightest_memory(per_device: list[dict[str, Any] | None]) -> dict[str, Any] |
     return {"bytes_limit": limit, "bytes_in_use": limit - free}
 
 
+def _host_inputs(step: StepInputs) -> tuple:
+    """What the step programs take besides weights and pool, in their order."""
+    return (step.tokens, step.positions, step.md, step.last_idx)
+
+
 class ModelRunner:
     """Weights + paged KV pool + bucketed, jitted batched forward (see module docstring)."""
 
@@ -131,6 +136,7 @@ class ModelRunner:
             max_prefill_tokens=self.max_prefill_tokens, mixed=bool(engine.mixed_steps),
             layout_kind="ragged" if self.attention_impl in attn.KERNEL_IMPLS else "paged")
         self._replicated = NamedSharding(mesh, P())
+        self._transfer = StepTransfer(self._replicated)
         self._programs = StepPrograms(self.config, mesh, self.attention_impl,
                                       self.geometry.block_pages, self.kv_sharding)
         self.num_pages = self._num_pages(engine)
@@ -274,13 +280,13 @@ class ModelRunner:
                                  f"(page 0 is reserved), got {pages.tolist()}")
 
     def _device_inputs(self, step: StepInputs) -> tuple:
-        put = partial(jax.device_put, device=self._replicated)
-        return jax.tree.map(put, (step.tokens, step.positions, step.md, step.last_idx))
+        """The step's host arrays on the devices, in one transfer (`StepTransfer`)."""
+        return self._transfer.put(step.key, _host_inputs(step))
 
     def _abstract_inputs(self, step: StepInputs) -> tuple:
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated),
-            (step.tokens, step.positions, step.md, step.last_idx))
+            _host_inputs(step))
 
     def _run(self, step: StepInputs) -> jax.Array:
         inputs = self._device_inputs(step)
@@ -330,6 +336,7 @@ class ModelRunner:
             with self._lock:
                 took = self._programs.compile(step.key, self.params, self.kv_caches,
                                               *self._abstract_inputs(step))
+                self._transfer.compile(step.key, _host_inputs(step))
             log.info("compiled step shape %d/%d %s in %.2fs", n, len(steps),
                      "/".join(str(k) for k in step.key[:3]), took)
         ran: set[str] = set()
