@@ -1,6 +1,8 @@
 """Engine benchmark on the CPU (tiny model): prefill tokens/s, decode tokens/s at batch 1 and 16
-(with the batch-16 / batch-1 ratio), and XLA compilations after warmup during a steady mixed
-workload (goal: 0).
+(with the batch-16 / batch-1 ratio), decode with overlap scheduling against the synchronous loop
+in the same run (`engine.overlap_schedule`; goal at batch 16: 1.2x), batch-1 decode against the
+memory-read limit (the weights' bytes over the read bandwidth measured here; goal 0.9x), and
+XLA compilations after warmup during a steady mixed workload (goal: 0).
 
     python benchmarks/bench_engine.py [hydra overrides, e.g. model.num_layers=2]
 
@@ -64,8 +66,12 @@ def make(i: int, prompt_len: int, new: int, rng: random.Random) -> Req:
                sampling=SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
 
 
-def decode_rate(s: Scheduler, batch: int, new: int, rng: random.Random) -> float:
-    # prefill first (max_new_tokens counts the prefill token), then time decode steps only
+def decode_rate(s: Scheduler, batch: int, new: int, rng: random.Random,
+                overlap: bool = False) -> float:
+    """Decode tokens/s of `batch` requests through the serving loop's own `step()`, with or
+    without overlap scheduling. The prefill runs first (max_new_tokens counts its token);
+    only decode steps are timed."""
+    s.overlap = overlap
     reqs = [make(i, 16, new, rng) for i in range(batch)]
     for r in reqs:
         s.submit(r)
@@ -73,12 +79,31 @@ def decode_rate(s: Scheduler, batch: int, new: int, rng: random.Random) -> float
     while s.waiting:
         s.run_batch(s.schedule())
     t0 = time.perf_counter()
-    while s.running:
-        s.run_batch(s.schedule())
+    while s.has_work():
+        s.step()
     dt = time.perf_counter() - t0
     for r in reqs:
         r.sink.collect(timeout=5)
     return batch * (new - 1) / dt
+
+
+def read_bandwidth() -> float:
+    """Bytes/s a jitted reduction reads from a 256 MiB array (best of 5)."""
+    x = jax.numpy.ones((64, 1 << 20), jax.numpy.float32)
+    total = jax.jit(lambda a: a.sum())
+    total(x).block_until_ready()
+    best = min(_timed(lambda: total(x).block_until_ready()) for _ in range(5))
+    return x.size * 4 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(runner.params))
 
 
 def main(argv: list[str]) -> int:
@@ -93,8 +118,9 @@ def main(argv: list[str]) -> int:
     rng = random.Random(0)
     # a first pass of every workload below compiles what warmup missed
     run(s, [make(i, 64, 1, rng) for i in range(16)])
-    decode_rate(s, 1, 8, rng)
-    decode_rate(s, 16, 8, rng)
+    for overlap in (False, True):
+        decode_rate(s, 1, 8, rng, overlap)
+        decode_rate(s, 16, 8, rng, overlap)
     mixed = [make(i, rng.randrange(4, 120), rng.randrange(4, 40), rng) for i in range(32)]
     run(s, mixed, [rng.randrange(0, 60) for _ in mixed])
     warm_s = time.perf_counter() - t0
@@ -105,6 +131,10 @@ def main(argv: list[str]) -> int:
     prefill_tps = sum(len(r.prompt_ids) for r in prefill_reqs) / dt
     d1 = decode_rate(s, 1, 64, rng)
     d16 = decode_rate(s, 16, 64, rng)
+    o1 = decode_rate(s, 1, 64, rng, overlap=True)
+    o16 = decode_rate(s, 16, 64, rng, overlap=True)
+    s.overlap = bool(cfg.engine.overlap_schedule)
+    limit = read_bandwidth() / weight_bytes(runner)
 
     mark = _compiles[0], runner.compile_count()
     mixed = [make(i, rng.randrange(4, 120), rng.randrange(4, 40), rng) for i in range(48)]
@@ -121,6 +151,13 @@ def main(argv: list[str]) -> int:
     print(f"  decode batch 1   (baseline)     : {d1:10.1f} tokens/s")
     print(f"  decode batch 16                 : {d16:10.1f} tokens/s   "
           f"({d16 / d1:.1f}x batch 1)")
+    print(f"  overlap scheduling, batch 1     : {o1:10.1f} tokens/s   ({o1 / d1:.2f}x the "
+          f"synchronous loop)")
+    print(f"  overlap scheduling, batch 16    : {o16:10.1f} tokens/s   ({o16 / d16:.2f}x the "
+          f"synchronous loop; goal 1.2x)")
+    best1 = max(d1, o1)
+    print(f"  batch-1 decode vs memory-read limit: {best1:.1f} / {limit:.1f} tokens/s = "
+          f"{best1 / limit:.2f}x (weights {weight_bytes(runner) / 2**20:.1f} MiB; goal 0.9x)")
     print(f"  mixed workload (48 reqs, staggered arrivals): {mixed_tokens} tokens in "
           f"{mixed_dt:.2f}s, {s.num_preemptions} preemptions")
     print(f"  compilations after warmup: {_compiles[0] - base_compiles} XLA programs "

@@ -62,6 +62,7 @@ class EngineSettings:
     max_running_requests: int = MISSING
     max_prefill_tokens: int = MISSING
     mixed_steps: bool = MISSING
+    overlap_schedule: bool = MISSING
     attention_impl: str = MISSING
     seed: int = MISSING
     served_model_name: str | None = MISSING

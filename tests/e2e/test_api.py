@@ -257,7 +257,7 @@ def test_logprob_fields_are_400_naming_the_field(url, path, body, field, neutral
 
 
 # ---------------------------------------------------------------- duplicate request ids
-DUP_TOKENS = 200  # the original is still decoding while its duplicates arrive
+DUP_TOKENS = 900  # the original is still decoding while its duplicates arrive (~0.6 s)
 
 
 def dup_body(rid: str | None = None, **extra) -> dict:

@@ -3,6 +3,7 @@ outputs, preemption + recompute giving identical streams, the pool back at basel
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pdtopo.config.compose import compose_config
@@ -71,3 +72,61 @@ def test_batching_invariance_with_preemption(sched, sp):
     together = run(sched, [make(i, p, **sp) for i, p in enumerate(prompts())])
     assert sched.num_preemptions > pre  # the small pool forced recomputation
     assert together == alone
+
+
+def run_stepped(s: Scheduler, reqs: list[Req], late: list[Req] = ()) -> dict[str, tuple]:
+    """The serving loop's own `step()` (overlap scheduling when `s.overlap`); `late` requests
+    arrive after 5 steps, while decode steps are in flight."""
+    for r in reqs:
+        s.submit(r)
+    steps = 0
+    while s.has_work() or not s.inbox.empty() or (late and steps <= 5):
+        if steps == 5:
+            for r in late:
+                s.submit(r)
+        s.step()
+        steps += 1
+        assert steps < 3000
+    s.publish_stats()
+    out = {}
+    for r in [*reqs, *late]:
+        ids, last = r.sink.collect(timeout=1)
+        out[r.rid] = (ids, last.finish_reason, [(lp.logprob, lp.top) for lp in
+                                                r.output_logprobs])
+    st = s.stats()
+    assert not baseline_problems(st) and st["num_reqs"] == 0, baseline_problems(st)
+    return out
+
+
+@pytest.mark.parametrize("sp", [dict(temperature=0.0, logprobs=3),
+                                dict(temperature=1.0, top_k=20, seed=5, logprobs=0)],
+                         ids=["greedy", "seeded"])
+def test_overlap_schedule_gives_the_synchronous_outputs(sched, sp):
+    """Steps dispatched ahead of landing the previous one: the same tokens, finish reasons and
+    logprobs as the synchronous loop, with requests of different lengths, one that stops on a
+    token mid-way (its extra token computed ahead is dropped), late arrivals, and a pool small
+    enough to preempt (continuations give way to the synchronous path there)."""
+    def batch(stop: dict[int, int] | None = None) -> tuple[list[Req], list[Req]]:
+        reqs = []
+        for i, p in enumerate(prompts()):
+            params = SamplingParams(max_new_tokens=6 + i, ignore_eos=True, **sp)
+            if stop and i in stop:
+                params.stop_token_ids = [stop[i]]
+            reqs.append(Req(rid=f"o{i}", prompt_ids=p, sampling=params, sink=QueueSink()))
+        return reqs[:5], reqs[5:]
+
+    sched.overlap = False
+    first = run_stepped(sched, *batch())
+    stop = {1: first["o1"][0][3], 4: first["o4"][0][2]}  # tokens each request emits mid-way
+    sched.overlap = False
+    sync = run_stepped(sched, *batch(stop))
+    assert sync["o1"][1]["type"] == "stop" and len(sync["o1"][0]) <= 4
+    sched.overlap = True
+    ahead_before = sched.num_overlapped_steps
+    overlapped = run_stepped(sched, *batch(stop))
+    assert sched.num_overlapped_steps > ahead_before + 10  # the overlap really ran
+    assert {k: v[:2] for k, v in overlapped.items()} == {k: v[:2] for k, v in sync.items()}
+    for rid, (_, _, lps) in sync.items():  # batch sizes differ: float rounding, not choices
+        got = overlapped[rid][2]
+        assert [[t for t, _ in top] for _, top in got] == [[t for t, _ in top] for _, top in lps]
+        np.testing.assert_allclose([lp for lp, _ in got], [lp for lp, _ in lps], atol=1e-5)

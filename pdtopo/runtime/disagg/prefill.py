@@ -48,6 +48,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._init_disaggregation()
+        self.overlap = False  # P decodes nothing but local health checks: no steps to overlap
         self._senders: dict[str, Any] = {}     # rid -> sender, until the request finishes
         self._inflight: list[Any] = []         # senders whose KV awaits D's pull
         self.num_skipped_pages = 0             # prompt pages not sent: D's cache held them

@@ -240,6 +240,8 @@ class LeaderRunner:
     def kv_caches(self, value: list[Any]) -> None:
         self._runner.kv_caches = value
 
+    supports_feed = False  # followers replay host chunks: no tokens fed on the device
+
     def forward(self, chunks: list[Any], padded: bool = False) -> Any:
         self.kv_mirror.broadcast({"op": "forward", "chunks": [
             [[int(t) for t in c.token_ids], int(c.start_pos), [int(p) for p in c.page_ids]]

@@ -279,17 +279,23 @@ class ModelRunner:
                 raise ValueError(f"chunk {i}: page ids must be in [1, {self.num_pages}) "
                                  f"(page 0 is reserved), got {pages.tolist()}")
 
-    def _device_inputs(self, step: StepInputs) -> tuple:
-        """The step's host arrays on the devices, in one transfer (`StepTransfer`)."""
-        return self._transfer.put(step.key, _host_inputs(step))
+    def _device_inputs(self, step: StepInputs, feed: tuple | None = None) -> tuple:
+        """The step's host arrays on the devices, in one transfer (`StepTransfer`); `feed`:
+        (previous tokens on the device, the row each of this step's one-token chunks takes)."""
+        if feed is None:
+            return self._transfer.put(step.key, _host_inputs(step))
+        prev, rows = feed
+        src = np.full(step.tokens.shape[0], -1, np.int32)
+        src[:len(rows)] = rows
+        return self._transfer.put(step.key, _host_inputs(step), (prev, src))
 
     def _abstract_inputs(self, step: StepInputs) -> tuple:
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated),
             _host_inputs(step))
 
-    def _run(self, step: StepInputs) -> jax.Array:
-        inputs = self._device_inputs(step)
+    def _run(self, step: StepInputs, feed: tuple | None = None) -> jax.Array:
+        inputs = self._device_inputs(step, feed)
         with self._lock:
             if self._warmed and not self._programs.has(step.key):
                 log.warning("compiling step shape %s while serving: not warmed (a kind of "
@@ -299,14 +305,20 @@ class ModelRunner:
                                                         *inputs)
         return logits
 
-    def forward(self, chunks: list[SeqChunk], padded: bool = False) -> jax.Array:
+    # forward(..., feed=) is served by this runner (a multi-process leader's is not)
+    supports_feed = True
+
+    def forward(self, chunks: list[SeqChunk], padded: bool = False,
+                feed: tuple[jax.Array, Sequence[int]] | None = None) -> jax.Array:
         """Logits (float32) at each chunk's last token: [len(chunks), vocab], or with
         `padded` the step's whole bucket of rows (row i is chunk i; extra rows are padding),
         which saves a slicing program per batch size. Writes the chunks' K/V into
-        `self.kv_caches`. On a mesh spanning several processes every process must call forward
-        with the same chunks (lockstep) and gets its local copy of the logits."""
+        `self.kv_caches`. `feed` = (tokens, rows): one-token chunks whose token is still on
+        the device, chunk i's being `tokens[rows[i]]` (their `token_ids` are placeholders).
+        On a mesh spanning several processes every process must call forward with the same
+        chunks (lockstep) and gets its local copy of the logits."""
         self._validate(chunks)
-        logits = self._run(prepare_step(chunks, self.geometry))
+        logits = self._run(prepare_step(chunks, self.geometry), feed)
         if not logits.is_fully_addressable:
             # multi-process mesh: logits are replicated; sample from this process's copy
             logits = logits.addressable_data(0)
@@ -315,6 +327,23 @@ class ModelRunner:
     def logits_rows(self, chunks: list[SeqChunk]) -> int:
         """Rows of the padded logits `forward(chunks, padded=True)` returns (nothing runs)."""
         return int(prepare_step(chunks, self.geometry).last_idx.shape[0])
+
+    def warmup_feeds(self) -> int:
+        """Compile the fed unpacking of every one-token step shape, from every larger or equal
+        batch of previous tokens (overlap scheduling); returns how many."""
+        if not self.geometry.decode_layout and self.geometry.layout_kind != "ragged":
+            return 0
+        steps = [s for s in warmup_steps(self.geometry, decode=True, prefill=False)
+                 if int(s.md.num_seqs[0]) == s.tokens.shape[0]]  # all one-token chunks
+        rows = sorted({int(s.last_idx.shape[0]) for s in steps})
+        n = 0
+        with self._lock:
+            for step in steps:
+                for r in rows:
+                    if r >= int(step.md.num_seqs[0]):
+                        self._transfer.compile(step.key, _host_inputs(step), feed_rows=r)
+                        n += 1
+        return n
 
     def shape_grid(self, decode: bool = True, prefill: bool = True) -> set[tuple]:
         """The step shapes `warmup(decode, prefill)` compiles (see step_inputs.shape_grid)."""

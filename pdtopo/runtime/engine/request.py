@@ -138,6 +138,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def penalised(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, *, default_max_new_tokens: int,
                   max_new_tokens_limit: int, vocab_size: int | None = None,

@@ -98,6 +98,32 @@ def _json_safe(logprob: Any) -> float:
     return max(float(logprob), float(np.finfo(np.float32).min))
 
 
+@dataclass(frozen=True)
+class PendingSample:
+    """Sampled rows still on the device: `tokens` (all the logits' rows, padding included)
+    can feed the next step there; `result()` reads the requests' rows back."""
+
+    out: dict[str, jax.Array]
+    n: int
+
+    def __post_init__(self) -> None:
+        # start the copy back now: queued later (after the next step's programs), reading
+        # these rows would wait for that step too
+        for x in self.out.values():
+            x.copy_to_host_async()
+
+    @property
+    def tokens(self) -> jax.Array:
+        return self.out["tokens"]
+
+    def result(self) -> SampleResult:
+        host = jax.device_get(self.out)
+        if len(host) == 1:
+            return SampleResult(np.asarray(host["tokens"])[:self.n])
+        return SampleResult(*(np.asarray(host[k])[:self.n] for k in
+                              ("tokens", "logprobs", "top_ids", "top_logprobs")))
+
+
 def request_key(seed: int, step: int) -> jax.Array:
     """The key of output token `step` of a request with `seed`."""
     data = jnp.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], dtype=jnp.uint32)
@@ -230,12 +256,15 @@ class Sampler:
         return program
 
     def sample(self, logits: jax.Array, rows: Sequence[RowParams]) -> SampleResult:
+        return self.dispatch(logits, rows).result()
+
+    def dispatch(self, logits: jax.Array, rows: Sequence[RowParams]) -> PendingSample:
+        """Start sampling `rows` of `logits` on the device; nothing is read back yet."""
         n_rows, n = logits.shape[0], len(rows)
         if n > n_rows:
             raise ValueError(f"{n} sampling rows for logits with {n_rows} rows")
         if not any(r.needs_full_program for r in rows):
-            tokens = self._program(_greedy, logits)(logits)
-            return SampleResult(np.asarray(jax.device_get(tokens))[:n])
+            return PendingSample({"tokens": self._program(_greedy, logits)(logits)}, n)
         tables = self._tables(logits)
         params = _row_params(rows, n_rows)
         params["slot"][:n] = tables.slots_for([r.history if r.penalised else None
@@ -243,10 +272,8 @@ class Sampler:
         program = self._program(_sample, logits, tables.counts, tables.seen, params)
         out, tables.counts, tables.seen = program(logits, tables.counts, tables.seen, params)
         if not any(r.logprobs >= 0 for r in rows):
-            return SampleResult(np.asarray(jax.device_get(out["tokens"]))[:n])
-        host = jax.device_get(out)
-        return SampleResult(*(np.asarray(host[k])[:n] for k in
-                              ("tokens", "logprobs", "top_ids", "top_logprobs")))
+            out = {"tokens": out["tokens"]}
+        return PendingSample(out, n)
 
     def release(self, serial: int) -> None:
         """A request (`Req.serial`) left this scheduler: free its penalty slot, if any."""

@@ -65,6 +65,7 @@ from typing import Any
 
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.model_runner import SeqChunk
+from pdtopo.runtime.engine.overlap import OverlapMixin
 from pdtopo.runtime.engine.page_allocator import OutOfPages, PageAllocator
 from pdtopo.runtime.engine.penalties import PenaltyHistory
 from pdtopo.runtime.engine.prefix_cache import PrefixCache, reference_problems
@@ -117,7 +118,7 @@ def token_usage(stats: dict[str, Any]) -> float:
     return max(0.0, (total - stats["free_pages"] - stats.get("evictable_pages", 0)) / total)
 
 
-class Scheduler:
+class Scheduler(OverlapMixin):
     """Continuous batching over a paged KV pool (see the module docstring for the hooks)."""
 
     role = "colocated"
@@ -133,6 +134,9 @@ class Scheduler:
         self.max_model_len = eng.max_model_len
         self.max_prefill_tokens = eng.max_prefill_tokens
         self.mixed_steps = bool(eng.mixed_steps)
+        # overlap.py: steady decode dispatches step N+1 before landing step N
+        self.overlap = bool(eng.overlap_schedule) and getattr(runner, "supports_feed", False)
+        self.in_flight = None
         self.max_running = eng.max_running_requests
         self.base_seed = eng.seed
         self.model_name = eng.served_model_name or str(ctx.cfg.model.name)
@@ -152,6 +156,7 @@ class Scheduler:
         self.num_generated = 0
         self.num_prefill_tokens = 0
         self.num_mixed_steps = 0      # steps that carried decodes and prompt chunks together
+        self.num_overlapped_steps = 0  # steps dispatched before the previous one landed
         self.num_preemptions = 0
         self.num_cached_tokens = 0    # prompt tokens whose KV came from the prefix cache
         self._page_check: tuple[int, list[str]] = (-1, [])  # (allocator version, problems)
@@ -231,6 +236,8 @@ class Scheduler:
         finally:
             self.allocator.free([page])
         self.sampler.warmup(rows, like=logits)
+        if self.overlap:
+            self.runner.warmup_feeds()
 
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
@@ -251,16 +258,24 @@ class Scheduler:
 
     def step(self) -> None:
         self.drain_inbox()
+        landing = self.in_flight is not None
+        if self.overlap_step():  # a continuation of the step in flight was dispatched
+            self.publish_stats()
+            return
         batch = self.schedule()
         if batch is None:
             self.publish_stats()
-            self.idle_wait()
+            if not landing:  # a step that landed tokens did work: no wait before the next
+                self.idle_wait()
             return
-        self.run_batch(batch)
+        if self.may_launch(batch):
+            self.launch(batch)  # landed by the next step
+        else:
+            self.run_batch(batch)
         self.publish_stats()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.in_flight)
 
     def idle_wait(self, timeout: float | None = None) -> None:
         """Block until a message arrives (or `timeout`), and handle it."""
@@ -629,10 +644,11 @@ class Scheduler:
             batch.chunks.append(self.make_chunk(tokens, req.num_computed, req.page_ids))
         return batch
 
-    def row_params(self, req: Req) -> RowParams:
+    def row_params(self, req: Req, ahead: int = 0) -> RowParams:
+        """Row settings of req's next token; `ahead`: tokens sampled but not landed yet."""
         sp = req.sampling
         return RowParams(sp.temperature, sp.top_k, sp.top_p, int(sp.seed or 0),
-                         len(req.output_ids), min_p=sp.min_p,
+                         len(req.output_ids) + ahead, min_p=sp.min_p,
                          presence_penalty=sp.presence_penalty,
                          frequency_penalty=sp.frequency_penalty,
                          repetition_penalty=sp.repetition_penalty, logprobs=sp.logprobs,
@@ -653,9 +669,7 @@ class Scheduler:
             logits = self.runner.forward(batch.chunks, padded=True)
             result = self.sampler.sample(logits, [self.row_params(r) for r in batch.reqs])
         except Exception as exc:
-            log.exception("%s batch of %d failed", batch.kind, len(batch.reqs))
-            for req in batch.reqs:
-                self.finish_request(req, FinishReason.abort(f"engine error: {exc}"))
+            self.fail_batch(batch.reqs, batch.kind, exc)
             return
         self.num_forward += 1
         self.num_mixed_steps += batch.kind == "mixed"
@@ -720,6 +734,7 @@ class Scheduler:
             "num_generated": self.num_generated,
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_mixed_steps": self.num_mixed_steps,
+            "num_overlapped_steps": self.num_overlapped_steps,
             "num_preemptions": self.num_preemptions,
             "prefix_cache": self.prefix_cache is not None,
             "tree_pages": self.prefix_cache.num_pages if self.prefix_cache is not None else 0,

@@ -1,0 +1,131 @@
+"""Overlap scheduling: in steady decode the host prepares and dispatches step N+1 while the
+device runs step N, and reads step N's tokens while step N+1 runs.
+
+Data flow (`OverlapMixin`, mixed into the `Scheduler`; `engine.overlap_schedule`):
+
+    step()  -> with a step in flight (`InFlight`: a decode step dispatched, its sampled tokens
+               still on the device):
+                 run_ahead(in_flight)  the next step over the same requests, each fed its
+                                       pending token on the device (`ModelRunner.forward(...,
+                                       feed=)`), its page table grown for it, sampled with
+                                       the token index one further; None when the next step
+                                       is not a pure continuation (below)
+                 land(in_flight)       read the tokens back; per request: num_computed + 1,
+                                       process_new_token (emit, stop checks, finish)
+               otherwise the synchronous path: schedule(), then a decode batch is launched
+               (`launch`: dispatched, landed by the next step) and any other batch runs whole
+               (`run_batch`)
+
+A continuation needs: no request waiting (an arrival goes through `schedule` after the
+landing), the running set equal to the in-flight step's requests (D adding a request, a
+preemption: synchronous), no penalised row (their device counts are rebuilt from host ids),
+and free pages for every request to grow without preempting. A request whose pending token is
+certainly its last (max_new_tokens, the context length) is left out; one that finishes on its
+pending token anyway (EOS, a stop string) had one more token computed, which is dropped: its
+pages are freed after the dispatch, and the device runs steps in order, so the stale write lands
+before any later owner of those pages writes them. Outputs equal the synchronous loop's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from pdtopo.runtime.engine.request import FinishReason, Req
+from pdtopo.runtime.engine.sampling import PendingSample
+
+log = logging.getLogger("pdtopo.scheduler")
+
+
+@dataclass
+class InFlight:
+    """A decode step dispatched and not landed: its requests, in row order, and their sample."""
+
+    reqs: list[Req]
+    sample: PendingSample
+
+
+class OverlapMixin:
+    """The overlapped loop; the Scheduler provides the rest (`self.runner`, `sampler`, ...)."""
+
+    in_flight: InFlight | None = None
+    overlap: bool = False
+
+    def overlap_step(self) -> bool:
+        """Advance the in-flight step, if any: dispatch its continuation, then land it.
+        Returns True when a continuation is now in flight (the step is done)."""
+        if self.in_flight is None:
+            return False
+        ahead = self.run_ahead(self.in_flight)
+        self.land(self.in_flight)
+        self.in_flight = ahead
+        return ahead is not None
+
+    def may_launch(self, batch) -> bool:
+        """Whether a scheduled batch may be left in flight (landed by the next step)."""
+        return (self.overlap and batch.kind == "decode"
+                and not any(r.sampling.penalised for r in batch.reqs))
+
+    def launch(self, batch) -> None:
+        self.fault.tick()  # testing: a fault injected into the scheduler's thread fires here
+        try:
+            logits = self.runner.forward(batch.chunks, padded=True)
+            sample = self.sampler.dispatch(logits, [self.row_params(r) for r in batch.reqs])
+        except Exception as exc:
+            self.fail_batch(batch.reqs, batch.kind, exc)
+            return
+        self.in_flight = InFlight(list(batch.reqs), sample)
+
+    def continuing(self, flight: InFlight) -> list[tuple[int, Req]]:
+        """(row, request) of the in-flight requests the next step continues ([]: none or the
+        next step is not a pure continuation)."""
+        if self.waiting or {id(r) for r in self.running} != {id(r) for r in flight.reqs}:
+            return []
+        if any(r.sampling.penalised for r in flight.reqs):
+            return []
+        return [(i, r) for i, r in enumerate(flight.reqs)
+                if not r.finished and len(r.output_ids) + 1 < r.sampling.max_new_tokens
+                and r.seq_len + 1 < self.max_model_len]
+
+    def run_ahead(self, flight: InFlight) -> InFlight | None:
+        rows = self.continuing(flight)
+        if not rows:
+            return None
+        self.fault.tick()
+        needs = [self.pages_for(r.seq_len + 1) - len(r.page_ids) for _, r in rows]
+        if not self.ensure_free(sum(needs)):
+            return None
+        reqs = [r for _, r in rows]
+        for r, need in zip(reqs, needs, strict=True):
+            if need > 0:
+                r.page_ids.extend(self.alloc_pages(need))
+        chunks = [self.make_chunk([0], r.seq_len, r.page_ids) for r in reqs]
+        try:
+            logits = self.runner.forward(chunks, padded=True,
+                                         feed=(flight.sample.tokens, [i for i, _ in rows]))
+            sample = self.sampler.dispatch(logits, [self.row_params(r, ahead=1) for r in reqs])
+        except Exception as exc:
+            self.fail_batch(reqs, "decode", exc)
+            return None
+        self.num_overlapped_steps += 1
+        return InFlight(reqs, sample)
+
+    def land(self, flight: InFlight) -> None:
+        try:
+            result = flight.sample.result()
+        except Exception as exc:
+            self.fail_batch(flight.reqs, "decode", exc)
+            return
+        self.num_forward += 1
+        for i, req in enumerate(flight.reqs):
+            if req.finished:
+                continue  # aborted, or finished on the token before: this one is dropped
+            req.num_computed += 1
+            self.process_new_token(req, int(result.tokens[i]),
+                                   self.token_logprob(result, i, req))
+
+    def fail_batch(self, reqs: list[Req], kind: str, exc: BaseException) -> None:
+        log.exception("%s batch of %d failed", kind, len(reqs), exc_info=exc)
+        for req in reqs:
+            if not req.finished:
+                self.finish_request(req, FinishReason.abort(f"engine error: {exc}"))
