@@ -49,7 +49,13 @@ def crash_process(name: str, exc: BaseException) -> None:
             handler.flush()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
-    sys.stderr.flush()
+    try:  # also on the process's own stderr: a handler may write to a replaced or closed
+        # stream (a test runner's capture), and the exit must never be silent
+        sys.__stderr__.write(f"worker thread {name} crashed; exiting with status "
+                             f"{CRASH_EXIT_CODE}:\n{tb}")
+        sys.__stderr__.flush()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
     os._exit(CRASH_EXIT_CODE)
 
 

@@ -77,6 +77,18 @@ def test_gateway_cache_aware_keeps_prompts_on_their_prefill(tmp_path_factory, re
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # n > 1 with logprobs through the gateway: one body to P and D, a room per completion
+        many = {**chat, "n": 3, "temperature": 1.0, "seed": 5, "logprobs": True,
+                "top_logprobs": 2, "ignore_eos": True}
+        runs = []
+        for _ in range(2):
+            resp = httpx.post(f"{dep.proxy_url}/v1/chat/completions", json=many, timeout=120)
+            assert resp.status_code == 200, resp.text
+            runs.append(resp.json()["choices"])
+        assert [c["index"] for c in runs[0]] == [0, 1, 2]
+        picks = [[str(c["logprobs"]) for c in run] for run in runs]  # tokens and their logprobs
+        assert picks[0] == picks[1] and len(set(picks[0])) == 3
+        assert all(len(c["logprobs"]["content"]) == 4 for c in runs[0])
         # server.max_body_bytes is the gateway's --max-payload-size: 413, nothing forwarded
         assert_refused_at_once(dep.proxy_url)
         wait_pools_baseline(dep)
