@@ -20,6 +20,9 @@ whose iteration is `step()`:
                                 (ensure_free)
     run_batch(batch)         -> runner.forward(chunks), Sampler, then per request
                                 on_prefill_finished(req, token) or process_new_token(req, token)
+                                (with engine.overlap_schedule a decode batch is launched instead
+                                and landed by the next step, which first dispatches its
+                                continuation: overlap.py)
     publish_stats()          -> counters for /pdtopo/state, /get_load and Prometheus
     idle_wait()              -> when there is nothing to run: block on the inbox briefly
 
@@ -221,7 +224,8 @@ class Scheduler(OverlapMixin):
 
     def warmup(self) -> None:
         """Compile the sampler for every row count of logits the loop can produce (call before
-        `start()`): the batch buckets of one-token steps and the flat layout's rows. One real
+        `start()`): the batch buckets of one-token steps and the flat layout's rows; with
+        overlap, the fed unpacking of every one-token step (`ModelRunner.warmup_feeds`). One real
         step runs (on one borrowed page, then freed) for logits shaped and sharded like
         serving's; the other row counts compile on zeros like them, without running steps."""
         (page,) = self.allocator.alloc(1)
