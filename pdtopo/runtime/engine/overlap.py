@@ -66,15 +66,31 @@ class OverlapMixin:
         return (self.overlap and batch.kind == "decode"
                 and not any(r.sampling.penalised for r in batch.reqs))
 
+    def dispatch_step(self, reqs: list[Req], chunks: list, kind: str, feed: tuple | None = None,
+                      ahead: int = 0) -> PendingSample | None:
+        """The step's forward and sampling, dispatched (nothing read back); a failure ends
+        the step's requests (None). `feed`/`ahead`: a continuation (`run_ahead`)."""
+        try:
+            extra = {} if feed is None else {"feed": feed}  # a leader's runner takes no feed
+            logits = self.runner.forward(chunks, padded=True, **extra)
+            return self.sampler.dispatch(logits, [self.row_params(r, ahead) for r in reqs])
+        except Exception as exc:
+            self.fail_batch(reqs, kind, exc)
+            return None
+
+    def read_step(self, sample: PendingSample, reqs: list[Req], kind: str):
+        """The step's sampled rows read back (SampleResult); a failure ends its requests."""
+        try:
+            return sample.result()
+        except Exception as exc:
+            self.fail_batch(reqs, kind, exc)
+            return None
+
     def launch(self, batch) -> None:
         self.fault.tick()  # testing: a fault injected into the scheduler's thread fires here
-        try:
-            logits = self.runner.forward(batch.chunks, padded=True)
-            sample = self.sampler.dispatch(logits, [self.row_params(r) for r in batch.reqs])
-        except Exception as exc:
-            self.fail_batch(batch.reqs, batch.kind, exc)
-            return
-        self.in_flight = InFlight(list(batch.reqs), sample)
+        sample = self.dispatch_step(batch.reqs, batch.chunks, batch.kind)
+        if sample is not None:
+            self.in_flight = InFlight(list(batch.reqs), sample)
 
     def continuing(self, flight: InFlight) -> list[tuple[int, Req]]:
         """(row, request) of the in-flight requests the next step continues ([]: none or the
@@ -100,21 +116,16 @@ class OverlapMixin:
             if need > 0:
                 r.page_ids.extend(self.alloc_pages(need))
         chunks = [self.make_chunk([0], r.seq_len, r.page_ids) for r in reqs]
-        try:
-            logits = self.runner.forward(chunks, padded=True,
-                                         feed=(flight.sample.tokens, [i for i, _ in rows]))
-            sample = self.sampler.dispatch(logits, [self.row_params(r, ahead=1) for r in reqs])
-        except Exception as exc:
-            self.fail_batch(reqs, "decode", exc)
+        sample = self.dispatch_step(reqs, chunks, "decode", ahead=1,
+                                    feed=(flight.sample.tokens, [i for i, _ in rows]))
+        if sample is None:
             return None
         self.num_overlapped_steps += 1
         return InFlight(reqs, sample)
 
     def land(self, flight: InFlight) -> None:
-        try:
-            result = flight.sample.result()
-        except Exception as exc:
-            self.fail_batch(flight.reqs, "decode", exc)
+        result = self.read_step(flight.sample, flight.reqs, "decode")
+        if result is None:
             return
         self.num_forward += 1
         for i, req in enumerate(flight.reqs):

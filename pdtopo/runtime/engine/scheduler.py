@@ -669,11 +669,9 @@ class Scheduler(OverlapMixin):
 
     def run_batch(self, batch: ScheduledBatch) -> None:
         self.fault.tick()  # testing: server.fault_inject_thread=scheduler kills the loop here
-        try:
-            logits = self.runner.forward(batch.chunks, padded=True)
-            result = self.sampler.sample(logits, [self.row_params(r) for r in batch.reqs])
-        except Exception as exc:
-            self.fail_batch(batch.reqs, batch.kind, exc)
+        sample = self.dispatch_step(batch.reqs, batch.chunks, batch.kind)
+        result = sample and self.read_step(sample, batch.reqs, batch.kind)
+        if result is None:
             return
         self.num_forward += 1
         self.num_mixed_steps += batch.kind == "mixed"
