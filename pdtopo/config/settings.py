@@ -67,6 +67,7 @@ class EngineSettings:
     seed: int = MISSING
     served_model_name: str | None = MISSING
     prefix_cache: bool = MISSING
+    host_kv_pages: int = MISSING
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ RULES: dict[str, Rule] = {
     "engine.max_new_tokens_limit": _at_least(1),
     "engine.max_running_requests": _at_least(1),
     "engine.max_prefill_tokens": _at_least(1),
+    "engine.host_kv_pages": _at_least(0),
     "engine.attention_impl": _one_of(ATTENTION_IMPLS),
     "kernels.impl": _one_of(KERNEL_IMPLS),
     "disaggregation.transfer_backend": ((lambda v: v == "jax"), "jax"),

@@ -7,6 +7,9 @@ Public API (pool format: docs/architecture.md, "KV pool format"):
   A bucketed XLA gather (``xla_copy.gather_pages``): ``padded=True`` returns it as it is,
   ``bucket_size(n)`` rows with the n pages first (what P registers for D: no per-count
   program); ``padded=False`` slices it to exactly n rows.
+- ``insert_rows(kv_caches, packed, row_pages)``: the new pool with packed row r written at page
+  ``row_pages[r]`` of every entry, rows whose page is -1 skipped (XLA, every platform; the
+  host KV tier's load-back, whose rows come back in any order and subset).
 - ``insert_kv_chunks(kv_caches, packed, page_ids, impl="auto", interpret=None, first_row=0)``:
   the new pool with ``packed[i][first_row + j]`` written at page ``page_ids[j]`` of entry i;
   the pool buffers are donated (do not use ``kv_caches`` afterwards). Rows before
@@ -34,7 +37,7 @@ from pdtopo.kernels import pallas_multi_layer_copy, xla_copy
 from pdtopo.kernels import runs as _runs
 from pdtopo.kernels.runs import bucket_size
 
-__all__ = ["select_from_kv_caches", "insert_kv_chunks", "bucket_size", "IMPLS"]
+__all__ = ["select_from_kv_caches", "insert_kv_chunks", "insert_rows", "bucket_size", "IMPLS"]
 
 IMPLS = ("auto", "pallas", "xla")
 
@@ -128,12 +131,7 @@ def insert_kv_chunks(kv_caches, packed, page_ids, impl: str = "auto",
         return list(pool)
     bucket = bucket_size(first_row + n)
     shardings = _pool_shardings(pool)
-    # packed pages live where the pool lives (same devices, same head sharding)
-    packed = tuple(
-        p if isinstance(p, jax.Array) and p.sharding == kv.sharding else jax.device_put(p, kv.sharding)
-        for p, kv in zip(packed, pool, strict=True))
-    if packed[0].shape[0] != bucket:
-        packed = xla_copy.pad_leading(packed, bucket, shardings=shardings)
+    packed = _placed(pool, packed, bucket, shardings)
     if impl == "xla":
         out = xla_copy.scatter_pages(pool, packed, _row_targets(ids, first_row, bucket,
                                                                 pool[0].shape[0]),
@@ -141,6 +139,37 @@ def insert_kv_chunks(kv_caches, packed, page_ids, impl: str = "auto",
         return list(out)
     return list(pallas_multi_layer_copy.multi_layer_copy(pool, packed, ids, interpret=interpret,
                                                          first_row=first_row))
+
+
+def _placed(pool: tuple, packed: tuple, bucket: int, shardings) -> tuple:
+    """Packed arrays where the pool lives (same devices, same head sharding), padded to
+    ``bucket`` rows."""
+    packed = tuple(
+        p if isinstance(p, jax.Array) and p.sharding == kv.sharding else jax.device_put(p, kv.sharding)
+        for p, kv in zip(packed, pool, strict=True))
+    if packed[0].shape[0] != bucket:
+        packed = xla_copy.pad_leading(packed, bucket, shardings=shardings)
+    return packed
+
+
+def insert_rows(kv_caches, packed, row_pages) -> list[jax.Array]:
+    """Write packed row r at page ``row_pages[r]`` of every pool entry (-1: skip the row);
+    returns the new pool (input donated)."""
+    pool = _check_pool(kv_caches)
+    num_pages = pool[0].shape[0]
+    pages = np.asarray(row_pages)
+    wanted = pages[pages != -1] if pages.ndim == 1 else pages
+    _runs.validate_page_ids(wanted, num_pages, name="row_pages", unique=True)
+    rows = len(pages)
+    packed = _check_packed(pool, packed, rows)
+    if not wanted.size:
+        return list(pool)
+    bucket = bucket_size(rows)
+    shardings = _pool_shardings(pool)
+    targets = np.full((bucket,), num_pages, np.int32)
+    targets[:rows] = np.where(pages == -1, num_pages, pages)
+    return list(xla_copy.scatter_pages(pool, _placed(pool, packed, bucket, shardings), targets,
+                                       shardings=shardings))
 
 
 def _row_targets(ids: np.ndarray, first_row: int, rows: int, num_pages: int) -> np.ndarray:

@@ -61,6 +61,17 @@ class EngineMetrics:
             "pdtopo:prefix_cache_evictable_pages",
             "KV pages only the prefix cache holds (freed on demand; not in sglang:token_usage)",
             registry=reg)
+        self.host_pages = Gauge("pdtopo:host_kv_pages",
+                                "KV pages the prefix cache's host tier holds", registry=reg)
+        self.host_capacity = Gauge("pdtopo:host_kv_capacity_pages",
+                                   "Pages the host tier can hold (engine.host_kv_pages)",
+                                   registry=reg)
+        self.host_hits = Counter("pdtopo:host_kv_hit_pages",
+                                 "Prefix-cache pages loaded back from the host tier",
+                                 registry=reg)
+        self.host_bytes = Counter("pdtopo:host_kv_bytes", "KV bytes the host tier moved",
+                                  labelnames=["direction"], registry=reg)
+        self._host_seen = {"hits": 0, "to_host": 0, "to_device": 0}
         self.free_pages = Gauge("pdtopo:free_pages", "Free KV pool pages", registry=reg)
         self.total_pages = Gauge("pdtopo:total_pages", "Usable KV pool pages", registry=reg)
         self.preemptions = Counter("pdtopo:preemptions", "Requests preempted (recomputed)",
@@ -72,6 +83,19 @@ class EngineMetrics:
     def set_cache_hits(self, cached: int, looked_up: int) -> None:
         """sglang:cache_hit_rate from the prompt tokens served by the cache and all looked up."""
         self.cache_hit_rate.set(cached / looked_up if looked_up else 0.0)
+
+    def set_host_tier(self, stats: dict) -> None:
+        """The host tier's gauges, and its counters moved by what grew since the last call
+        (`stats` holds the totals since start, see Scheduler.publish_stats)."""
+        self.host_pages.set(stats["host_kv_pages"])
+        self.host_capacity.set(stats["host_kv_capacity"])
+        now = {"hits": stats["host_hit_pages"], "to_host": stats["host_bytes_to_host"],
+               "to_device": stats["host_bytes_to_device"]}
+        seen = self._host_seen
+        self.host_hits.inc(max(0, now["hits"] - seen["hits"]))
+        for direction in ("to_host", "to_device"):
+            self.host_bytes.labels(direction=direction).inc(max(0, now[direction] - seen[direction]))
+        self._host_seen = now
 
     def request_finished(self, finish_type: str) -> None:
         self.requests.labels(role=self._role, finish=finish_type).inc()

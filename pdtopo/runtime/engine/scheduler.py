@@ -66,6 +66,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdtopo.runtime.engine.host_kv import HostKVTier
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.model_runner import SeqChunk
 from pdtopo.runtime.engine.overlap import OverlapMixin
@@ -242,6 +243,9 @@ class Scheduler(OverlapMixin):
         self.sampler.warmup(rows, like=logits)
         if self.overlap:
             self.runner.warmup_feeds()
+        host = self.prefix_cache.host if self.prefix_cache is not None else None
+        if host is not None:
+            host.warmup()
 
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
@@ -459,9 +463,13 @@ class Scheduler(OverlapMixin):
 
     # ------------------------------------------------------------------ prefix cache
     def make_prefix_cache(self, eng) -> PrefixCache | None:
-        """The engine's prefix cache (`engine.prefix_cache`); role mixins that keep none
-        (D without `disaggregation.decode_prefix_cache`) return None."""
-        return PrefixCache(self.allocator, self.page_size) if eng.prefix_cache else None
+        """The engine's prefix cache (`engine.prefix_cache`), with a host tier of
+        `engine.host_kv_pages` pages when that is above 0; role mixins that keep none (D
+        without `disaggregation.decode_prefix_cache`) return None."""
+        if not eng.prefix_cache:
+            return None
+        host = HostKVTier(self.runner, eng.host_kv_pages) if eng.host_kv_pages else None
+        return PrefixCache(self.allocator, self.page_size, host)
 
     def match_prefix(self, req: Req) -> None:
         """Start a request that holds no KV at its longest cached prefix: full pages only, and
@@ -495,7 +503,9 @@ class Scheduler(OverlapMixin):
         """Disagreements between the allocator's references and their holders (the prefix
         cache and every live request's page table); empty when consistent."""
         tables = [r.page_ids for r in self.reqs.values()]
-        return reference_problems(self.allocator, self.prefix_cache, tables)
+        if self.prefix_cache is not None:  # the tree's structure and its host tier too
+            return self.prefix_cache.problems(tables)
+        return reference_problems(self.allocator, None, tables)
 
     def _idle_page_problems(self) -> list[str]:
         version = self.allocator.version
@@ -516,8 +526,10 @@ class Scheduler(OverlapMixin):
 
     def _flush_cache(self) -> dict[str, Any]:
         cache = self.prefix_cache
+        host_pages = cache.num_host_pages if cache is not None else 0
         freed = cache.flush() if cache is not None else 0
         return {"prefix_cache": cache is not None, "flushed_pages": freed,
+                "flushed_host_pages": host_pages,
                 "tree_pages": cache.num_pages if cache is not None else 0,
                 "num_reqs": len(self.reqs), "free_pages": self.allocator.num_free,
                 "total_pages": self.allocator.num_total}
@@ -710,6 +722,20 @@ class Scheduler(OverlapMixin):
             self._evictable = (now, cache.num_evictable())
         return min(self._evictable[1], cache.num_pages)
 
+    def _host_tier_stats(self) -> dict[str, Any]:
+        """The prefix cache's host tier: pages held and their bound, pages loaded back (hits)
+        and copied out (spilled), bytes moved each way; zeros without a tier."""
+        cache = self.prefix_cache
+        host = cache.host if cache is not None else None
+        if host is None:
+            return dict.fromkeys(("host_kv_pages", "host_kv_capacity", "host_hit_pages",
+                                  "host_spilled_pages", "host_bytes_to_host",
+                                  "host_bytes_to_device"), 0)
+        return {"host_kv_pages": cache.num_host_pages, "host_kv_capacity": host.capacity,
+                "host_hit_pages": cache.num_host_hits, "host_spilled_pages": cache.num_spilled,
+                "host_bytes_to_host": host.bytes_to_host,
+                "host_bytes_to_device": host.bytes_to_device}
+
     def extra_stats(self) -> dict[str, Any]:
         """More counters for the same snapshot (the PD mixins add theirs)."""
         return {}
@@ -743,6 +769,7 @@ class Scheduler(OverlapMixin):
             "cached_tokens": self.num_cached_tokens,
             "evicted_pages": self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
             "evictable_pages": evictable,
+            **self._host_tier_stats(),
             # checked only when idle, and again only after the pool changed (the full check
             # runs in tests at any time)
             "page_problems": None if self.reqs else self._idle_page_problems(),
@@ -760,5 +787,6 @@ class Scheduler(OverlapMixin):
         m.total_pages.set(stats["total_pages"])
         m.token_usage.set(token_usage(stats))
         m.tree_pages.set(stats["tree_pages"])
+        m.set_host_tier(stats)
         m.evictable_pages.set(stats["evictable_pages"])
         m.set_cache_hits(self.num_cached_tokens, self.num_cached_tokens + self.num_prefill_tokens)

@@ -16,7 +16,7 @@ from typing import Any
 from pdtopo.runtime.engine.metrics import EngineMetrics
 
 SUMMED = ("num_running", "num_queue", "gen_throughput", "free_pages", "total_pages",
-          "tree_pages", "evictable_pages")
+          "tree_pages", "evictable_pages", "host_pages", "host_capacity")
 _HIT_COUNTS = ("cache_cached", "cache_looked_up")  # per engine, for the process's hit rate
 
 
@@ -70,6 +70,10 @@ class EngineMetricsView:
         for gauge in SUMMED:
             setattr(self, gauge, _Slot(board, gauge, engine))
         self.token_usage = _Ignored()
+        self._host_seen = {"hits": 0, "to_host": 0, "to_device": 0}
+
+    # the gauges go to this engine's slots, the counters grow by this engine's own deltas
+    set_host_tier = EngineMetrics.set_host_tier
 
     def set_cache_hits(self, cached: int, looked_up: int) -> None:
         self._board.set_cache_hits(self._engine, cached, looked_up)
