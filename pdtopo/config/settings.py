@@ -89,6 +89,7 @@ class DisaggregationSettings:
     side_channel_max_bytes: int = MISSING
     fault_injection_prob: float = MISSING
     decode_prefix_cache: bool = MISSING
+    d2h_staging: bool = MISSING
     side_channel_curve: Any = MISSING  # "auto" | true | false
     side_channel_max_peers: int = MISSING
     side_channel_peer_idle_s: float = MISSING

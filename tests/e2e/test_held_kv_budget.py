@@ -5,7 +5,8 @@ A real P scheduler (model runner, transfer server, ZMQ side channel) faces a fak
 channel) that asks for every room and pulls nothing until the test says `done`: P's held pages
 never pass the budget, the requests past it wait and complete once D releases copies, or fail
 with a retryable 503 naming the keys when they wait too long; the drain's `in_flight` counts the
-held rooms. The memory sizing keeps the budget out of a pool sized by `kv_memory_fraction`."""
+held rooms (in device memory, or in host memory with `d2h_staging`: mode B). The memory sizing
+keeps the budget out of a pool sized by `kv_memory_fraction`."""
 
 from __future__ import annotations
 
@@ -133,8 +134,11 @@ def _metric(p, name: str) -> float:
 
 
 @pytest.mark.slow  # a real model runner behind a real P scheduler
-def test_held_copies_stay_within_the_budget_and_waiting_requests_complete():
-    cfg = compose_config(OVERRIDES)
+@pytest.mark.parametrize("staging", [False, True], ids=["mode_a", "mode_b"])
+def test_held_copies_stay_within_the_budget_and_waiting_requests_complete(staging):
+    """Mode A holds the copies in device memory; mode B (`d2h_staging`) in host memory, so
+    that the device bytes P holds for the pulls D is slow to make stay 0."""
+    cfg = compose_config([*OVERRIDES, f"disaggregation.d2h_staging={str(staging).lower()}"])
     p = _prefill(cfg)
     d = FakeDecode(p)
     try:
@@ -149,6 +153,11 @@ def test_held_copies_stay_within_the_budget_and_waiting_requests_complete():
         assert sorted(d.got) == [1, 2] and all(isinstance(v, m.Ready) for v in d.got.values())
         assert st["pd_held_kv_pages"] == BUDGET and st["num_waiting"] == 2, st
         assert st["pd_held_kv_bytes"] == p.kv_manager.engine.registered_bytes() > 0
+        assert st["pd_held_kv_device_bytes"] == (0 if staging else st["pd_held_kv_bytes"])
+        assert _metric(p, "pdtopo:held_kv_device_bytes") == st["pd_held_kv_device_bytes"]
+        held = [a for room in (1, 2) for a in p.kv_manager.engine.registered_arrays(room)]
+        assert {a.sharding.memory_kind for a in held} == (
+            {p.kv_manager.engine.staging_memory_kind} if staging else {"device"})
         assert _metric(p, "pdtopo:held_kv_pages") == BUDGET
         assert _metric(p, "pdtopo:held_kv_bytes") == st["pd_held_kv_bytes"]
         assert _metric(p, "pdtopo:max_held_kv_pages") == BUDGET

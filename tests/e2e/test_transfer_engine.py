@@ -30,12 +30,40 @@ from pdtopo.runtime.disagg.transfer_engine import (
 from tests.support.transfer import SHAPE, done, drive, make_mgr, pool
 
 
-@pytest.fixture(params=["auto", False], ids=["raw-buffers", "staged"])
+@pytest.fixture(params=[("auto", False), (False, False), ("auto", True)],
+                ids=["raw-buffers", "staged", "d2h-staging"])
 def engine(request):
+    """Every engine test in both transfer modes, and with P's copies staged in host memory
+    (`disaggregation.d2h_staging`, mode B): pulls (late ones too), expiry, unknown uuids."""
+    raw, d2h = request.param
     e = JaxTransferKVEngine(transfer_sockets=2, pull_workers=2, sweep_interval_s=0.2,
-                            raw_buffers=request.param)
+                            raw_buffers=raw, d2h_staging=d2h)
     yield e
     e.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+def test_d2h_staging_holds_no_device_memory_and_pulls_the_same_bytes(dtype):
+    """Mode B: the registered copies live in host memory (the device bytes held are 0) and D
+    pulls exactly the device arrays' bytes, bfloat16 included (the transfer library warns
+    about unpinned host buffers for it)."""
+    e = JaxTransferKVEngine(transfer_sockets=2, pull_workers=2, d2h_staging=True)
+    try:
+        packed = [x[np.array([3, 1] + [0] * 6)].astype(dtype) for x in pool(2, True)]
+        uuid, _ = e.register(5, packed, expire_s=30)
+        held = e.registered_arrays(5)
+        assert {a.sharding.memory_kind for a in held} == {e.staging_memory_kind}
+        assert e.staging_memory_kind in ("pinned_host", "unpinned_host")
+        assert e.registered_device_bytes() == 0
+        assert e.registered_bytes() == sum(int(a.nbytes) for a in packed) > 0
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in packed]
+        got = e.pull(e.address, uuid, specs, 30, room=5).result(timeout=60)
+        for g, want in zip(got, packed, strict=True):
+            assert g.dtype == want.dtype and g.sharding.memory_kind == "device"
+            np.testing.assert_array_equal(np.asarray(g.astype(np.float32)),
+                                          np.asarray(want.astype(np.float32)))
+    finally:
+        e.close()
 
 
 def test_pull_after_p_dropped_its_references(engine):

@@ -16,6 +16,8 @@ hosts' clocks:
                                        arrive after the prefill)
      pdtopo:kv_wait_for_pull_seconds   `ready` sent -> D's `done` (P holds the KV meanwhile)
      pdtopo:held_kv_bytes              bytes of packed KV copies P holds for D's pull now
+     pdtopo:held_kv_device_bytes       of those, bytes in device memory (0 with
+                                       disaggregation.d2h_staging: staged in host memory)
      pdtopo:held_kv_pages              the same in pages (what the budget counts)
      pdtopo:max_held_kv_pages          the budget, disaggregation.max_held_kv_pages
      pdtopo:held_kv_waiting_requests   requests P holds back because the copies of the
@@ -87,6 +89,10 @@ class PDMetrics:
         self.held_kv_bytes = Gauge("pdtopo:held_kv_bytes",
                                    "P: bytes of packed KV copies waiting for D's pull",
                                    registry=reg)
+        self.held_kv_device_bytes = Gauge(
+            "pdtopo:held_kv_device_bytes",
+            "P: of the held KV copies' bytes, those in device memory (0 with d2h_staging)",
+            registry=reg)
         self.held_kv_pages = Gauge("pdtopo:held_kv_pages",
                                    "P: pages of packed KV copies waiting for D's pull",
                                    registry=reg)

@@ -311,11 +311,13 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         self.pd_metrics.rooms_in_flight.set(len(self._senders) + len(self._inflight))
         held = {"pd_held_kv_pages": self.held_kv_pages(),
                 "pd_held_kv_bytes": self.kv_manager.engine.registered_bytes(),
+                "pd_held_kv_device_bytes": self.kv_manager.engine.registered_device_bytes(),
                 "pd_max_held_kv_pages": self.held_budget.max_pages,
                 "pd_held_kv_waiting": len(self._budget_waiting())}
         m = self.pd_metrics
         m.held_kv_pages.set(held["pd_held_kv_pages"])
         m.held_kv_bytes.set(held["pd_held_kv_bytes"])
+        m.held_kv_device_bytes.set(held["pd_held_kv_device_bytes"])
         m.held_kv_waiting.set(held["pd_held_kv_waiting"])
         # pd_inflight_senders: rooms whose KV waits for D's pull, counted by the drain
         # (api/drain_routes.py `in_flight`): P must not stop while D may still pull

@@ -102,6 +102,17 @@ def resolve_raw_buffers(value: str | bool, platform: str) -> bool:
     return value if isinstance(value, bool) else platform == "cpu"
 
 
+def staged_on_host(arrays: list[Any]) -> list[Any]:
+    """Host-memory copies of device arrays (pinned where the backend has it), sharded alike;
+    the device buffers go as soon as the copies are made (JAX keeps them alive until then)."""
+    import jax  # deferred: the disaggregation modules stay importable without JAX
+
+    from pdtopo.runtime.engine.host_kv import host_memory_kind  # deferred: JAX
+
+    kind = host_memory_kind(next(iter(arrays[0].devices())), "disaggregation.d2h_staging")
+    return jax.device_put(arrays, [a.sharding.with_memory_kind(kind) for a in arrays])
+
+
 def _deadline_datetime(seconds_from_now: float) -> dt.datetime:
     """The transfer library's timeouts are absolute datetimes in whole seconds."""
     return dt.datetime.now() + dt.timedelta(seconds=max(0, math.ceil(seconds_from_now)))
@@ -113,6 +124,7 @@ class _Registration:
     arrays: list[Any]
     deadline: float
     nbytes: int
+    on_host: bool = False   # staged in host memory (d2h_staging), not holding device memory
 
 
 @dataclass
@@ -134,11 +146,12 @@ class JaxTransferKVEngine:
                  transfer_size_mb: float = 1, raw_buffers: str | bool = "auto",
                  pull_workers: int = 4,
                  fault_injection_prob: float = 0.0, seed: int = 0,
-                 sweep_interval_s: float = 0.5, client: Any = None,
+                 sweep_interval_s: float = 0.5, client: Any = None, d2h_staging: bool = False,
                  on_crash: CrashHandler = crash_process, fault: ThreadFault = NO_FAULT) -> None:
         """`on_crash(name, exc)`: the housekeeping thread died (default: end the process, as
         without it pulls never time out and P's registrations never expire); `fault` kills it
-        on purpose (testing: server.fault_inject_thread=kv_sweep)."""
+        on purpose (testing: server.fault_inject_thread=kv_sweep). `d2h_staging`: registered
+        arrays are copied to host memory at once and pulled from there (mode B)."""
         # deferred: the disaggregation modules stay importable without JAX
         import jax
         from jax.experimental import transfer
@@ -153,6 +166,8 @@ class JaxTransferKVEngine:
             self._client, f"{host}:{int(port)}", [f"{host}:0"] * int(transfer_sockets),
             transfer_size=int(transfer_size_mb * (1 << 20)), use_raw_buffers=self.raw_buffers)
         self.address: str = self._server.address()
+        self.d2h_staging = bool(d2h_staging)
+        self.staging_memory_kind: str | None = None  # where staged copies went (d2h_staging)
         self.faults = FaultInjector(fault_injection_prob, seed)
         self.expired: queue.Queue[int] = queue.Queue()
         self.sweep_interval_s = float(sweep_interval_s)
@@ -177,7 +192,8 @@ class JaxTransferKVEngine:
                    transfer_sockets=d.transfer_sockets, transfer_size_mb=d.transfer_size_mb,
                    raw_buffers=d.transfer_raw_buffers, pull_workers=d.pull_workers,
                    fault_injection_prob=d.fault_injection_prob,
-                   seed=ctx.settings.engine.seed, fault=server_fault(ctx.settings, "kv_sweep"))
+                   seed=ctx.settings.engine.seed, d2h_staging=d.d2h_staging,
+                   fault=server_fault(ctx.settings, "kv_sweep"))
 
     # ------------------------------------------------------------------ P side
     def new_uuid(self) -> int:
@@ -204,6 +220,9 @@ class JaxTransferKVEngine:
         arrays = list(arrays)
         if not arrays:
             raise ValueError(f"room {room}: nothing to register (empty array list)")
+        if self.d2h_staging:
+            arrays = staged_on_host(arrays)
+            self.staging_memory_kind = arrays[0].sharding.memory_kind
         check_value("disaggregation.sender_expiry_s", expire_s)
         deadline = time.time() + float(expire_s)
         with self._lock:
@@ -213,7 +232,8 @@ class JaxTransferKVEngine:
                                       + (f" (part {part})" if part else ""))
             self._server.await_pull(uid, arrays, timeout=_deadline_datetime(expire_s))
             self._rooms[(room, part)] = _Registration(uid, arrays, deadline,
-                                                      sum(int(a.nbytes) for a in arrays))
+                                                      sum(int(a.nbytes) for a in arrays),
+                                                      on_host=self.d2h_staging)
         return uid, deadline
 
     def release(self, room: int) -> bool:
@@ -239,6 +259,11 @@ class JaxTransferKVEngine:
     def registered_bytes(self) -> int:
         with self._lock:
             return sum(r.nbytes for r in self._rooms.values())
+
+    def registered_device_bytes(self) -> int:
+        """Of `registered_bytes`, those in device memory (0 with d2h_staging)."""
+        with self._lock:
+            return sum(r.nbytes for r in self._rooms.values() if not r.on_host)
 
     def sweep(self, now: float | None = None) -> list[int]:
         """Free rooms past their deadline (also put on `expired`) and kick server expiry."""

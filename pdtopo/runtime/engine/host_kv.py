@@ -50,14 +50,15 @@ class _Block:
     live: set[int] = field(default_factory=set)
 
 
-def host_memory_kind(device: Any) -> str:
-    """The host memory kind a device's arrays can be copied to (pinned first)."""
+def host_memory_kind(device: Any, key: str = "engine.host_kv_pages") -> str:
+    """The host memory kind a device's arrays can be copied to (pinned first); `key` is the
+    setting that asked, named in the error when there is none."""
     kinds = {m.kind for m in device.addressable_memories()}
     for kind in HOST_MEMORY_KINDS:
         if kind in kinds:
             return kind
-    raise ValueError(f"engine.host_kv_pages: device {device} has no host memory kind "
-                     f"({sorted(kinds)}); set engine.host_kv_pages=0")
+    raise ValueError(f"{key}: device {device} has no host memory kind ({sorted(kinds)}); "
+                     "turn it off")
 
 
 def _chunks(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
