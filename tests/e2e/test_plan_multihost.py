@@ -139,6 +139,8 @@ ERRORS = {
                          "topology.prefill.hosts=[tpu-0,tpu-1,tpu-2]",
                          "topology.prefill.mesh.tp=12"],
                         "topology.prefill.processes_per_instance", "TPU_PROCESS_BOUNDS"),
+    "host_tier_multiprocess": (["topology=1p1d_cpu_mp", "engine.host_kv_pages=64"],
+                               "engine.host_kv_pages", "topology.prefill.processes_per_instance=2"),
     "chips_overlap_same_host": (["topology=1p1d_v6e16", "topology.decode.hosts=[tpu-0,tpu-1]",
                                  "+topology.decode.chips=[[0,1,2,3],[0,1,2,3]]"],
                                 "topology.decode.chips", "chip 0 is used by both"),

@@ -1,7 +1,8 @@
 """Process-level tests of the KV data plane: a real P and a real D process on 127.0.0.1.
 
 Each peer is `tests/support/kv_peer.py` (JAX on the CPU, 1 or 2 emulated devices) driven over
-stdin/stdout. P's pool holds distinct exact values; D pulls scattered pages into other page ids
+stdin/stdout. The pull, expiry and P-killed cases run with P's copies in device memory (mode A)
+and staged in host memory (`--d2h-staging`, mode B). P's pool holds distinct exact values; D pulls scattered pages into other page ids
 of its own pool; the test compares D's whole pool with the expected array.
 """
 
@@ -55,8 +56,9 @@ def _transfer(P: PeerProcess, D: PeerProcess, room: int, src: list[int], dst: li
     P.call("send", room=room, pages=src, first_token=first_token, prompt_len=4 * len(src))
 
 
-def test_scattered_pages_pull_release_and_expiry(peers):
-    P = peers("prefill", "--expiry", "3")
+@pytest.mark.parametrize("mode", [(), ("--d2h-staging",)], ids=["mode_a", "mode_b"])
+def test_scattered_pages_pull_release_and_expiry(peers, mode):
+    P = peers("prefill", "--expiry", "3", *mode)
     D = peers("decode")
     src, dst = [3, 17, 5, 9, 30], [20, 2, 11, 31, 1]
     # ready before want: P sends first, D asks afterwards
@@ -75,7 +77,9 @@ def test_scattered_pages_pull_release_and_expiry(peers):
     # an unpulled room expires (sender_expiry_s=3) and is released
     P.call("sender", room=12)
     P.call("send", room=12, pages=[1, 2])
-    assert P.call("stats")["registered"] == 1
+    st = P.call("stats")
+    assert st["registered"] == 1 and st["held_bytes"] > 0
+    assert st["held_device_bytes"] == (0 if mode else st["held_bytes"])
     w = P.wait(12, 30)
     assert w["state"] == "Failed" and "sender_expiry_s" in w["error"], w
     assert 2.0 < w["elapsed"] < 10, w
@@ -98,8 +102,9 @@ def test_sharded_two_devices_concurrent_rooms(peers):
     assert P.call("stats")["registered"] == 0
 
 
-def test_killed_prefill_fails_within_timeout(peers):
-    P = peers("prefill")
+@pytest.mark.parametrize("mode", [(), ("--d2h-staging",)], ids=["mode_a", "mode_b"])
+def test_killed_prefill_fails_within_timeout(peers, mode):
+    P = peers("prefill", *mode)
     D = peers("decode", "--kv-timeout", "4")
     # room 1: P announces ready, D has not given its pages yet; room 2: P never sends
     P.call("sender", room=1)

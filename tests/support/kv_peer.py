@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--expiry", type=float, default=60)
     ap.add_argument("--sockets", type=int, default=2)
     ap.add_argument("--fault-prob", type=float, default=0.0)
+    ap.add_argument("--d2h-staging", action="store_true",
+                    help="P stages its copies in host memory (mode B)")
     args = ap.parse_args()
 
     import jax
@@ -180,7 +182,7 @@ def main() -> None:
     engine = JaxTransferKVEngine("127.0.0.1", args.transfer_port, transfer_sockets=args.sockets,
                                  transfer_size_mb=1, pull_workers=4,
                                  fault_injection_prob=args.fault_prob, seed=0,
-                                 sweep_interval_s=0.25)
+                                 sweep_interval_s=0.25, d2h_staging=args.d2h_staging)
     bind = f"127.0.0.1:{args.zmq_port}" if args.role == "prefill" else None
     channel = SideChannel(bind=bind, max_bytes=65536, name=args.role)
     kv_args = KVArgs(pools=[PoolTransferSpec.from_kv_caches(runner.kv_caches)])
@@ -259,6 +261,8 @@ def main() -> None:
                 elif cmd == "stats":
                     res = {"registered": mgr.num_registered(), "active": mgr.num_active(),
                            "connections": engine.num_connections(),
+                           "held_bytes": engine.registered_bytes(),
+                           "held_device_bytes": engine.registered_device_bytes(),
                            "channel": channel.stats()}
                 elif cmd == "dump":
                     arr = np.stack([np.asarray(kv)[c["pages"]] for kv in runner.kv_caches])

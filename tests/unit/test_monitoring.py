@@ -75,6 +75,12 @@ pdtopo:total_pages 100
 pdtopo:free_pages 60
 # TYPE pdtopo:kv_transfer_bytes counter
 pdtopo:kv_transfer_bytes_total {moved}
+# TYPE pdtopo:host_kv_pages gauge
+pdtopo:host_kv_pages 12
+# TYPE pdtopo:host_kv_capacity_pages gauge
+pdtopo:host_kv_capacity_pages {host}
+# TYPE pdtopo:host_kv_hit_pages counter
+pdtopo:host_kv_hit_pages_total {hits}
 # TYPE sglang:time_to_first_token_seconds histogram
 sglang:time_to_first_token_seconds_bucket{{le="0.01",model_name="m"}} {fast}
 sglang:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {fast}
@@ -85,12 +91,17 @@ sglang:time_to_first_token_seconds_sum{{model_name="m"}} 0.01
 
 def test_rows_from_two_samples():
     plan = _plan("topology=1p1d_cpu", "proxy=mini_lb")
-    older = {n: parse(METRICS.format(req=10, moved=0, fast=4), at=100.0)
+    older = {n: parse(METRICS.format(req=10, moved=0, fast=4, host=64, hits=0), at=100.0)
              for n in ("prefill_0", "decode_0")}
-    newer = {"prefill_0": parse(METRICS.format(req=30, moved=4e9, fast=8), at=102.0)}
+    newer = {"prefill_0": parse(METRICS.format(req=30, moved=4e9, fast=8, host=64, hits=10),
+                                at=102.0)}
     got = {r.program: r for r in rows(plan, {"prefill_0": "RUNNING"}, older, newer)}
     p = got["prefill_0"]
     assert (p.state, p.req_s, p.running, p.queued, p.pages) == ("RUNNING", 10.0, 3, 1, "40/100")
     assert p.transfer_gbps == pytest.approx(2.0)
     assert p.ttft_p50 == pytest.approx(0.005) and p.ttft_p99 == pytest.approx(0.0099)
+    assert (p.host_pages, p.host_hits_s) == ("12/64", 5.0)
     assert got["decode_0"].error == "no sample"
+    off = parse(METRICS.format(req=30, moved=4e9, fast=8, host=0, hits=0), at=102.0)
+    (no_tier,) = [r for r in rows(plan, {}, older, {"prefill_0": off}) if r.program == "prefill_0"]
+    assert (no_tier.host_pages, no_tier.host_hits_s) == ("-", None)

@@ -3,7 +3,9 @@ programs' /metrics (the targets of RUN/prometheus.yml).
 
     sample(targets) -> Sample          one scrape of every program (parsed Prometheus text)
     rows(plan, states, older, newer)   per program: role, state, req/s, running/queued, pages
-                                       used, KV transfer GB/s, TTFT p50/p99 over the window
+                                       used, host-tier pages used (engine.host_kv_pages) and
+                                       loaded back per second, KV transfer GB/s, TTFT p50/p99
+                                       over the window
     run(run_dir, interval_s, once)     draws the table every interval (rich Live) or, with
                                        --once, takes two samples interval apart, prints one
                                        table and exits
@@ -107,6 +109,8 @@ class Row:
     running: float | None = None
     queued: float | None = None
     pages: str = "-"
+    host_pages: str = "-"              # the prefix cache's host tier: used/capacity
+    host_hits_s: float | None = None   # its pages loaded back per second
     transfer_gbps: float | None = None
     ttft_p50: float | None = None
     ttft_p99: float | None = None
@@ -137,6 +141,10 @@ def rows(plan: Plan, states: dict[str, str], older: dict[str, Scrape],
         total, free = b.total("pdtopo:total_pages"), b.total("pdtopo:free_pages")
         if total:
             row.pages = f"{total - (free or 0):.0f}/{total:.0f}"
+        host = b.total("pdtopo:host_kv_capacity_pages")
+        if host:
+            row.host_pages = f"{b.total('pdtopo:host_kv_pages') or 0:.0f}/{host:.0f}"
+            row.host_hits_s = _rate("pdtopo:host_kv_hit_pages_total", a, b)
         moved = _rate("pdtopo:kv_transfer_bytes_total", a, b)
         row.transfer_gbps = None if moved is None else moved / 1e9
         older_b, newer_b = a.buckets(TTFT), b.buckets(TTFT)
@@ -156,16 +164,17 @@ def _ms(v: float | None) -> str:
 
 def table(plan: Plan, data: list[Row], window_s: float) -> Table:
     t = Table(title=f"pdtopo top: {plan.topology} (last {window_s:.1f} s; TTFT in ms)")
-    for col in ("program", "role", "state", "req/s", "run", "queue", "pages", "KV GB/s",
-                "TTFT p50", "TTFT p99"):
+    for col in ("program", "role", "state", "req/s", "run", "queue", "pages", "host pages",
+                "host hits/s", "KV GB/s", "TTFT p50", "TTFT p99"):
         t.add_column(col, justify="left" if col in ("program", "role", "state") else "right",
                      no_wrap=True)
     for r in data:
         if r.error:
-            t.add_row(r.program, r.role, r.state, f"[red]{r.error}[/]", "", "", "", "", "", "")
+            t.add_row(r.program, r.role, r.state, f"[red]{r.error}[/]", *[""] * 8)
             continue
         t.add_row(r.program, r.role, r.state, _num(r.req_s, ".2f"), _num(r.running, ".0f"),
-                  _num(r.queued, ".0f"), r.pages, _num(r.transfer_gbps, ".3f"),
+                  _num(r.queued, ".0f"), r.pages, r.host_pages, _num(r.host_hits_s, ".1f"),
+                  _num(r.transfer_gbps, ".3f"),
                   _ms(r.ttft_p50), _ms(r.ttft_p99))
     return t
 

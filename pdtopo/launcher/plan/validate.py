@@ -279,6 +279,18 @@ def check_chip_set(acc: Accelerator, key: str, chips: list[int], host_chips: int
         raise TopologyError(key, chips, why)
 
 
+def check_host_tiers(topo: TopologySchema, engines: dict[str, EngineSettings]) -> None:
+    """The prefix cache's host tier (`engine.host_kv_pages`) runs in single-process instances
+    only: a multi-process instance would have to replay its copies on every process."""
+    for role, eng in engines.items():
+        spec = getattr(topo, role, None)
+        if eng.host_kv_pages and spec is not None and spec.processes_per_instance > 1:
+            raise TopologyError("engine.host_kv_pages", eng.host_kv_pages,
+                                f"the host KV tier needs single-process instances, but "
+                                f"topology.{role}.processes_per_instance="
+                                f"{spec.processes_per_instance}; set it to 0")
+
+
 def check_mesh(role: str, spec: RoleSchema, chips: list[int]) -> None:
     """The instance mesh covers all its processes' chips (N processes x chips each)."""
     size = math.prod(spec.mesh.values()) if spec.mesh else 1
