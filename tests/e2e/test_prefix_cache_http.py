@@ -1,7 +1,9 @@
 """The prefix cache as a client and an operator see it, on a real colocated server process:
 meta_info.cached_tokens, OpenAI usage.prompt_tokens_details.cached_tokens, the Prometheus
 metrics, the tree in /pdtopo/state, POST /flush_cache, and `pdtopo bench`'s multiturn workload
-(TTFT per turn, the cached-token ratio, turns built from the previous answers)."""
+(TTFT per turn, the cached-token ratio, turns built from the previous answers); with a host tier
+(`engine.host_kv_pages`), a prefix pushed out of the pool hits from host memory and shows on
+/pdtopo/state, /metrics and in the flush's answer."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ SYSTEM = [256] + [40 + i % 60 for i in range(6 * PAGE)]
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    with direct_server(tmp_path_factory.mktemp("prefix_http")) as u:
+    # a host tier of 400 pages under the 200-page pool (used only once the pool overflows)
+    with direct_server(tmp_path_factory.mktemp("prefix_http"), ["engine.host_kv_pages=400"]) as u:
         yield u
 
 
@@ -67,6 +70,26 @@ def test_flush_cache_empties_the_tree_and_says_so(url):
     assert st["tree_pages"] == 0 and st["free_pages"] == st["total_pages"]
     again = generate(url, {"input_ids": SYSTEM + [3], "sampling_params": {"max_new_tokens": 2}})
     assert again["meta_info"]["cached_tokens"] == 0  # nothing left to hit
+
+
+def test_a_prefix_pushed_out_of_the_pool_hits_from_the_host_tier(url):
+    httpx.post(f"{url}/flush_cache", timeout=10).raise_for_status()
+    greedy = {"max_new_tokens": 2, "temperature": 0}
+    long = [[256] + [(k * 37 + i) % 250 + 1 for i in range(79 * PAGE)] for k in range(3)]
+    firsts = [generate(url, {"input_ids": p, "sampling_params": greedy}) for p in long]
+    wait_pools_baseline(url)
+    st = pool_state(url)
+    assert st["host_spilled_pages"] > 0 and st["host_kv_pages"] > 0, st  # 3 x 80 > 200 pages
+    again = generate(url, {"input_ids": long[0], "sampling_params": greedy})
+    assert again["meta_info"]["cached_tokens"] == 79 * PAGE   # all of it: its last page recomputes
+    assert again["output_ids"] == firsts[0]["output_ids"]
+    st = wait_pools_baseline(url)[1][url]
+    assert st["host_hit_pages"] > 0 and st["page_problems"] == [], st
+    assert _metric(url, "pdtopo:host_kv_hit_pages_total") == st["host_hit_pages"]
+    assert _metric(url, "pdtopo:host_kv_capacity_pages") == 400
+    resp = httpx.post(f"{url}/flush_cache", timeout=10)
+    assert f"{st['host_kv_pages']} host-tier pages dropped" in resp.text, resp.text
+    assert pool_state(url)["host_kv_pages"] == 0
 
 
 def test_bench_multiturn_reports_ttft_per_turn_and_cached_ratio(url):

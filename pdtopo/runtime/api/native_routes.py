@@ -301,8 +301,10 @@ async def flush_cache(state: ServerDep) -> Response:
     if not any(r["prefix_cache"] for r in results):
         text = "Cache flushed (engine.prefix_cache is off: nothing to drop).\n"
     else:
-        text = (f"Cache flushed: {flushed} pages freed, {held} still held by requests in "
-                f"flight.\n")
+        dropped = sum(r.get("flushed_host_pages", 0) for r in results)
+        host = f", {dropped} host-tier pages dropped" if dropped else ""
+        text = (f"Cache flushed: {flushed} pages freed{host}, {held} still held by requests "
+                f"in flight.\n")
     return Response(text, media_type="text/plain")
 
 
