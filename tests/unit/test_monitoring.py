@@ -48,7 +48,9 @@ def test_dashboard_is_valid_json_with_the_asked_panels():
     for needle in ("sglang:time_to_first_token_seconds_bucket", "inter_token_latency",
                    "pdtopo:kv_transfer_bytes_total", "pdtopo:handoff_seconds_bucket",
                    "sglang:num_queue_reqs", "pdtopo:free_pages", "pdtopo:pd_failures_total",
-                   "smg_http_requests_total"):
+                   "smg_http_requests_total", "pdtopo:host_kv_pages",
+                   "pdtopo:host_kv_hit_pages_total", "pdtopo:host_kv_bytes_total",
+                   "pdtopo:held_kv_device_bytes"):
         assert needle in text, needle
     assert len({p["gridPos"]["y"] * 100 + p["gridPos"]["x"] for p in doc["panels"]}) == \
         len(doc["panels"])  # no two panels on top of each other

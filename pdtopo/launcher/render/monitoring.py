@@ -94,6 +94,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ("{{reason}} {{program}}", "rate(pdtopo:pd_failures_total[5m])")]),
     ("Prefix cache hit rate", "percentunit", [
         ("{{program}}", "sglang:cache_hit_rate")]),
+    ("Host KV tier: pages held and loaded back (engine.host_kv_pages)", "none", [
+        ("held {{program}}", "pdtopo:host_kv_pages"),
+        ("capacity {{program}}", "pdtopo:host_kv_capacity_pages"),
+        ("loaded back per s {{program}}", "rate(pdtopo:host_kv_hit_pages_total[1m])")]),
+    ("Host KV tier: bytes moved (per second)", "Bps", [
+        ("{{direction}} {{program}}", "rate(pdtopo:host_kv_bytes_total[1m])")]),
+    ("KV copies P holds for D's pull (mode B: none on the device)", "bytes", [
+        ("all {{program}}", "pdtopo:held_kv_bytes"),
+        ("on the device {{program}}", "pdtopo:held_kv_device_bytes")]),
 ]
 
 
