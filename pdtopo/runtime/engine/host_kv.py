@@ -89,11 +89,6 @@ class HostKVTier:
     def free_rows(self) -> int:
         return self.capacity - self.used_rows
 
-    @property
-    def num_live(self) -> int:
-        """Rows some page still refers to."""
-        return sum(len(b.live) for b in self._blocks.values())
-
     def live_refs(self) -> set[HostRef]:
         return {HostRef(i, r) for i, b in self._blocks.items() for r in b.live}
 
@@ -134,10 +129,6 @@ class HostKVTier:
         if not block.live:
             del self._blocks[ref.block]
             self.used_rows -= block.rows
-
-    def clear(self) -> None:
-        self._blocks.clear()
-        self.used_rows = 0
 
     # ------------------------------------------------------------------ warmup
     def warmup(self) -> int:
