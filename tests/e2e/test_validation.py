@@ -90,11 +90,27 @@ def test_validation_error(case, tmp_path, capsys, free_ports):
         assert text in err, f"{text!r} not in {err!r}"
 
 
+def _bound_after_a_free_port(s: socket.socket) -> int:
+    """Bind `s` to a port whose predecessor is free now (prefill_0's zmq port below), so that
+    the one conflict the launch finds is decode_0's."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            with socket.socket() as below:
+                below.bind(("127.0.0.1", port - 1))
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of adjacent ports found")
+
+
 def test_port_already_bound_names_port_and_program(tmp_path, capsys, free_ports):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        port = _bound_after_a_free_port(s)
         s.listen()
-        port = s.getsockname()[1]
         err = launch_fails(tmp_path, capsys, free_ports, f"topology.ports.zmq_base={port - 1}")
     assert "topology.ports.zmq_base" in err and str(port) in err
     assert "decode_0" in err and "already in use" in err
