@@ -102,14 +102,11 @@ def resolve_raw_buffers(value: str | bool, platform: str) -> bool:
     return value if isinstance(value, bool) else platform == "cpu"
 
 
-def staged_on_host(arrays: list[Any]) -> list[Any]:
-    """Host-memory copies of device arrays (pinned where the backend has it), sharded alike;
-    the device buffers go as soon as the copies are made (JAX keeps them alive until then)."""
+def staged_on_host(arrays: list[Any], kind: str) -> list[Any]:
+    """Copies of device arrays in host memory of `kind`, sharded alike; the device buffers go
+    as soon as the copies are made (JAX keeps them alive until then)."""
     import jax  # deferred: the disaggregation modules stay importable without JAX
 
-    from pdtopo.runtime.engine.host_kv import host_memory_kind  # deferred: JAX
-
-    kind = host_memory_kind(next(iter(arrays[0].devices())), "disaggregation.d2h_staging")
     return jax.device_put(arrays, [a.sharding.with_memory_kind(kind) for a in arrays])
 
 
@@ -167,7 +164,14 @@ class JaxTransferKVEngine:
             transfer_size=int(transfer_size_mb * (1 << 20)), use_raw_buffers=self.raw_buffers)
         self.address: str = self._server.address()
         self.d2h_staging = bool(d2h_staging)
-        self.staging_memory_kind: str | None = None  # where staged copies went (d2h_staging)
+        # where staged copies go (d2h_staging): found at start, so a backend without host
+        # memory fails here, naming the setting, not at the first request
+        self.staging_memory_kind: str | None = None
+        if self.d2h_staging:
+            from pdtopo.runtime.engine.host_kv import host_memory_kind  # deferred: JAX
+
+            self.staging_memory_kind = host_memory_kind(jax.local_devices()[0],
+                                                        "disaggregation.d2h_staging")
         self.faults = FaultInjector(fault_injection_prob, seed)
         self.expired: queue.Queue[int] = queue.Queue()
         self.sweep_interval_s = float(sweep_interval_s)
@@ -220,9 +224,8 @@ class JaxTransferKVEngine:
         arrays = list(arrays)
         if not arrays:
             raise ValueError(f"room {room}: nothing to register (empty array list)")
-        if self.d2h_staging:
-            arrays = staged_on_host(arrays)
-            self.staging_memory_kind = arrays[0].sharding.memory_kind
+        if self.staging_memory_kind is not None:
+            arrays = staged_on_host(arrays, self.staging_memory_kind)
         check_value("disaggregation.sender_expiry_s", expire_s)
         deadline = time.time() + float(expire_s)
         with self._lock:

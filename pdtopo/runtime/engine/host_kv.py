@@ -46,8 +46,11 @@ class HostRef(NamedTuple):
 @dataclass(eq=False)
 class _Block:
     arrays: list[Any]            # packed [rows, page_size, heads, head_dim] per pool entry, host
-    rows: int
     live: set[int] = field(default_factory=set)
+
+    @property
+    def rows(self) -> int:
+        return int(self.arrays[0].shape[0])
 
 
 def host_memory_kind(device: Any, key: str = "engine.host_kv_pages") -> str:
@@ -102,7 +105,7 @@ class HostKVTier:
                                    f"{self.free_rows()} free of {self.capacity}")
             packed = select_from_kv_caches(self.runner.kv_caches, chunk)
             block_id = next(self._ids)
-            self._blocks[block_id] = _Block(jax.device_put(packed, self._host), len(chunk),
+            self._blocks[block_id] = _Block(jax.device_put(packed, self._host),
                                             set(range(len(chunk))))
             self.used_rows += len(chunk)
             self.bytes_to_host += len(chunk) * self.page_bytes

@@ -16,6 +16,7 @@ _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+HOST_COUNTERS = ("hits", "to_host", "to_device")  # the host tier's totals set_host_tier follows
 
 
 class EngineMetrics:
@@ -71,7 +72,7 @@ class EngineMetrics:
                                  registry=reg)
         self.host_bytes = Counter("pdtopo:host_kv_bytes", "KV bytes the host tier moved",
                                   labelnames=["direction"], registry=reg)
-        self._host_seen = {"hits": 0, "to_host": 0, "to_device": 0}
+        self._host_seen = dict.fromkeys(HOST_COUNTERS, 0)
         self.free_pages = Gauge("pdtopo:free_pages", "Free KV pool pages", registry=reg)
         self.total_pages = Gauge("pdtopo:total_pages", "Usable KV pool pages", registry=reg)
         self.preemptions = Counter("pdtopo:preemptions", "Requests preempted (recomputed)",

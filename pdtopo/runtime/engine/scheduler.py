@@ -243,9 +243,8 @@ class Scheduler(OverlapMixin):
         self.sampler.warmup(rows, like=logits)
         if self.overlap:
             self.runner.warmup_feeds()
-        host = self.prefix_cache.host if self.prefix_cache is not None else None
-        if host is not None:
-            host.warmup()
+        if self.host_tier is not None:
+            self.host_tier.warmup()
 
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
@@ -470,6 +469,11 @@ class Scheduler(OverlapMixin):
             return None
         host = HostKVTier(self.runner, eng.host_kv_pages) if eng.host_kv_pages else None
         return PrefixCache(self.allocator, self.page_size, host)
+
+    @property
+    def host_tier(self) -> HostKVTier | None:
+        """The prefix cache's host tier, if it has one."""
+        return self.prefix_cache.host if self.prefix_cache is not None else None
 
     def match_prefix(self, req: Req) -> None:
         """Start a request that holds no KV at its longest cached prefix: full pages only, and
@@ -725,8 +729,7 @@ class Scheduler(OverlapMixin):
     def _host_tier_stats(self) -> dict[str, Any]:
         """The prefix cache's host tier: pages held and their bound, pages loaded back (hits)
         and copied out (spilled), bytes moved each way; zeros without a tier."""
-        cache = self.prefix_cache
-        host = cache.host if cache is not None else None
+        cache, host = self.prefix_cache, self.host_tier
         if host is None:
             return dict.fromkeys(("host_kv_pages", "host_kv_capacity", "host_hit_pages",
                                   "host_spilled_pages", "host_bytes_to_host",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from pdtopo.runtime.engine.metrics import EngineMetrics
+from pdtopo.runtime.engine.metrics import HOST_COUNTERS, EngineMetrics
 
 SUMMED = ("num_running", "num_queue", "gen_throughput", "free_pages", "total_pages",
           "tree_pages", "evictable_pages", "host_pages", "host_capacity")
@@ -70,7 +70,7 @@ class EngineMetricsView:
         for gauge in SUMMED:
             setattr(self, gauge, _Slot(board, gauge, engine))
         self.token_usage = _Ignored()
-        self._host_seen = {"hits": 0, "to_host": 0, "to_device": 0}
+        self._host_seen = dict.fromkeys(HOST_COUNTERS, 0)
 
     # the gauges go to this engine's slots, the counters grow by this engine's own deltas
     set_host_tier = EngineMetrics.set_host_tier
