@@ -2,8 +2,8 @@
 conversations whose prefixes do not fit the pool come back and hit pages loaded from host memory;
 greedy tokens equal the cache-off engine's, colocated and through a P/D pair whose P and D
 (`decode_prefix_cache`) both keep a host tier; a soak of concurrent requests with aborts ends with
-every device page and host row accounted for; /metrics and /flush_cache see both tiers; the
-tier's copies are bit-exact on a bare pool."""
+every device page and host row accounted for; /metrics and /flush_cache see both tiers. (The
+tier's copies on a bare pool: tests/unit/test_host_kv_churn.py.)"""
 
 from __future__ import annotations
 
@@ -43,9 +43,10 @@ def metric(text: str, name: str) -> float:
 
 def test_host_hits_give_cache_off_tokens_colocated_and_pd():
     prompts = conversations()
-    cfg_off = compose_config(["model.num_layers=2", "engine.prefix_cache=false", *SMALL_POOL])
-    cfg_dev = compose_config(["model.num_layers=2", *SMALL_POOL])
-    cfg_host = compose_config(["model.num_layers=2", HOST, *SMALL_POOL,
+    cfg_off = compose_config(["model=tiny_llama", "model.num_layers=2",
+                              "engine.prefix_cache=false", *SMALL_POOL])
+    cfg_dev = compose_config(["model=tiny_llama", "model.num_layers=2", *SMALL_POOL])
+    cfg_host = compose_config(["model=tiny_llama", "model.num_layers=2", HOST, *SMALL_POOL,
                                "disaggregation.decode_prefix_cache=true"])
     tok = load_tokenizer(cfg_off.model)
     off, dev = _scheduler(cfg_off, "colocated", tok), _scheduler(cfg_dev, "colocated", tok)
@@ -95,7 +96,8 @@ def test_host_hits_give_cache_off_tokens_colocated_and_pd():
 
 
 def test_soak_with_aborts_accounts_for_every_page_and_host_row():
-    cfg = compose_config(["model.num_layers=2", "engine.host_kv_pages=24", *SMALL_POOL])
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2",
+                          "engine.host_kv_pages=24", *SMALL_POOL])
     tok = load_tokenizer(cfg.model)
     s = _scheduler(cfg, "colocated", tok)
     s.warmup()
@@ -128,41 +130,3 @@ def test_soak_with_aborts_accounts_for_every_page_and_host_row():
     finally:
         s.stop()
 
-
-def test_host_tier_copies_move_exact_bytes_and_free_blocks_with_their_last_row():
-    """HostKVTier on a bare pool of distinct values: pages copied out (more than one block)
-    come back bit-exact into other pages, rows skipped stay untouched, and a block's host memory
-    is given back only when its last row is dropped."""
-    import jax
-
-    from pdtopo.runtime.engine.host_kv import BLOCK_PAGES, HostKVTier
-
-    shape = (48, 4, 2, 8)
-    values = [np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1e5 * e
-              for e in range(4)]
-
-    class Runner:
-        kv_caches = [jax.device_put(v) for v in values]
-
-    runner = Runner()
-    tier = HostKVTier(runner, capacity_pages=20)
-    src = list(range(1, BLOCK_PAGES + 3))             # 18 pages: a block of 16 and one of 2
-    refs = tier.save(src)
-    assert tier.used_rows == 18 and tier.free_rows() == 2 and len({r.block for r in refs}) == 2
-    assert tier.memory_kind == "pinned_host" and tier.bytes_to_host == 18 * tier.page_bytes
-    with pytest.raises(RuntimeError, match="host KV tier full"):
-        tier.save([30, 31, 32])
-    dst = list(range(47, 29, -1))                     # other pages, reversed
-    picked = [0, 5, 16, 17]                           # rows of both blocks
-    tier.load([refs[i] for i in picked], [dst[i] for i in picked])
-    assert tier.bytes_to_device == 18 * tier.page_bytes   # whole blocks move (counted so)
-    for e, kv in enumerate(runner.kv_caches):
-        got = np.asarray(kv)
-        for i in range(len(src)):
-            want = values[e][src[i]] if i in picked else values[e][dst[i]]
-            np.testing.assert_array_equal(got[dst[i]], want)
-    for r in refs[:15]:
-        tier.drop(r)
-    assert tier.used_rows == 18                       # the first block still has a live row
-    tier.drop(refs[15])
-    assert tier.used_rows == 2 and tier.live_refs() == set(refs[16:])

@@ -1,9 +1,10 @@
 """The prefix cache's host tier, with a fake tier over a fake pool (page -> the tokens whose KV it
 holds): eviction copies device pages to the host before freeing them (device -> host -> gone),
 a match loads host pages back into fresh device pages with the right bytes, the host tier's
-bound drops its least recently used copies, a request's insert gives a host-only node its device
-page back, flush empties both tiers, and a random soak (requests holding pages, aborts,
-evictions both ways) keeps every page and every host row accounted for."""
+bound drops copies of pages still on the device first, then its least recently used copies, a
+request's insert gives a host-only node its device page back, flush empties both tiers, and a
+random soak (requests holding pages, aborts, evictions both ways) keeps every page and every host
+row accounted for."""
 
 from __future__ import annotations
 
@@ -134,6 +135,25 @@ def test_a_full_host_tier_drops_its_least_recently_used_pages_first():
     assert cache.num_host_dropped == 2 and host.saved == 6   # b's copy was still valid
     assert cache.match(a, 2) == []
     for t in (b, c):
+        got = cache.match(t, 2)
+        assert len(got) == 2
+        check_pages_hold(pool, t, got)
+        alloc.free(got)
+    assert cache.problems([]) == []
+
+
+def test_a_full_host_tier_drops_copies_of_device_pages_before_host_only_pages():
+    alloc, cache, host, pool = setup(num_pages=5, capacity=4)    # 4 device pages, 4 host rows
+    a, b, c = seq(2 * PS, 0), seq(2 * PS, 100), seq(2 * PS, 200)
+    finish(cache, alloc, pool, a)
+    finish(cache, alloc, pool, b)
+    cache.evict(4)                         # a and b on host: it is full
+    alloc.free(cache.match(b, 2))          # b loaded back: on the device, its copy kept
+    finish(cache, alloc, pool, c)
+    alloc.free(cache.match(b, 2))          # b more recent than c, c than a
+    cache.evict(2)                         # c goes to host: b's copies make room, not a
+    assert cache.num_host_dropped == 2 and cache.num_pages == 2 and cache.num_host_pages == 4
+    for t in (a, b, c):                    # the two tiers hold all three
         got = cache.match(t, 2)
         assert len(got) == 2
         check_pages_hold(pool, t, got)

@@ -25,8 +25,9 @@ Data flow, all on the scheduler thread that owns the pool:
                                   walk that finds the leaves is amortized): least recently used
                                   nodes with no device child that nobody but the tree holds;
                                   with a host tier their KV is copied to host memory first
-                                  (device -> host -> gone: the host tier drops its least
-                                  recently used rows to make room), without one they are gone
+                                  (device -> host -> gone: the host tier drops copies of
+                                  pages still on the device first, then its least recently
+                                  used host-only rows, to make room), without one they are gone
     flush()                    -> empty both tiers of everything unreferenced (/flush_cache)
     problems(tables)           -> consistency of tree, allocator and host tier against the page
                                   tables of live requests (every page's references accounted for)
@@ -222,16 +223,19 @@ class PrefixCache:
         self.num_spilled += len(kept)
 
     def _host_room(self, rows: int) -> int:
-        """Make room for `rows` host rows (up to that many) by dropping the least recently used
-        host copies: those of nodes still on the device, and host-only nodes without children
-        (whose node goes with its copy). Returns the rows free now, at most `rows`."""
+        """Make room for `rows` host rows (up to that many) by dropping host copies: first
+        those of nodes still on the device (the page stays cached; only a later eviction copies
+        it out again), least recently used first, then host-only nodes without children (whose
+        node goes with its copy), least recently used first. So under pressure the two tiers
+        hold different pages: up to the pool plus the tier, not the tier alone. Returns the
+        rows free now, at most `rows`."""
         host = self.host
         if host.free_rows() >= rows:
             return rows
-        heap = [(n.last_used, id(n), n) for n in self._host_nodes if self._droppable(n)]
+        heap = [self._drop_key(n) for n in self._host_nodes if self._droppable(n)]
         heapq.heapify(heap)
         while heap and host.free_rows() < rows:
-            _, _, node = heapq.heappop(heap)
+            *_, node = heapq.heappop(heap)
             if not self._droppable(node):
                 continue
             parent = node.parent
@@ -240,8 +244,12 @@ class PrefixCache:
             if node.page is None:
                 self._remove(node)
                 if parent is not None and parent is not self._root and self._droppable(parent):
-                    heapq.heappush(heap, (parent.last_used, id(parent), parent))
+                    heapq.heappush(heap, self._drop_key(parent))
         return min(rows, max(0, host.free_rows()))
+
+    @staticmethod
+    def _drop_key(node: _Node) -> tuple:
+        return (node.page is None, node.last_used, id(node), node)
 
     @staticmethod
     def _droppable(node: _Node) -> bool:
