@@ -40,6 +40,20 @@ def resolved_dtype(name: str, platform: str) -> str:
     if str(name) == "auto":
         return "bfloat16" if platform == "tpu" else "float32"
     return str(name)
+# engine.kv_memory_fraction=auto on TPU: the pool takes this much of each chip's memory, less
+# what the model runner counts beside it (the largest step's buffers, the sampler, P's reserve)
+AUTO_KV_MEMORY_FRACTION = 0.9
+
+
+def resolved_kv_memory_fraction(value: Any, platform: str) -> float | None:
+    """The fraction of device memory an engine on `platform` sizes its KV pool from, for
+    engine.kv_memory_fraction `value`: "auto" is AUTO_KV_MEMORY_FRACTION on TPU and null (the
+    pool is engine.num_pages) elsewhere."""
+    if str(value) == "auto":
+        return AUTO_KV_MEMORY_FRACTION if platform == "tpu" else None
+    return None if value is None else float(value)
+
+
 ATTENTION_IMPLS = ("auto", "pallas", "pallas_interpret", "gather")
 KERNEL_IMPLS = ("auto", "pallas", "xla")
 # the server threads `server.fault_inject_thread` can kill (pdtopo.runtime.worker_threads)
@@ -55,7 +69,7 @@ class EngineSettings:
     kv_dtype: str = MISSING
     page_size: int = MISSING
     num_pages: int = MISSING
-    kv_memory_fraction: float | None = MISSING
+    kv_memory_fraction: Any = MISSING  # "auto" | null | (0, 1): resolved_kv_memory_fraction
     max_model_len: int = MISSING
     max_new_tokens_default: int = MISSING
     max_new_tokens_limit: int = MISSING
@@ -68,6 +82,7 @@ class EngineSettings:
     served_model_name: str | None = MISSING
     prefix_cache: bool = MISSING
     host_kv_pages: int = MISSING
+    fault_inject_step_error_after: int | None = MISSING  # testing (engine/step_errors.py)
 
 
 @dataclass(frozen=True)
@@ -190,14 +205,16 @@ RULES: dict[str, Rule] = {
     "engine.kv_dtype": _one_of(DTYPES),
     "engine.page_size": _at_least(1),
     "engine.num_pages": _at_least(2),
-    "engine.kv_memory_fraction": ((lambda v: v is None or (_is_number(v) and 0 < v < 1)),
-                                  "null or a number in (0, 1)"),
+    "engine.kv_memory_fraction": ((lambda v: v is None or v == "auto"
+                                   or (_is_number(v) and 0 < v < 1)),
+                                  "auto, null or a number in (0, 1)"),
     "engine.max_model_len": _at_least(1),
     "engine.max_new_tokens_default": _at_least(1),
     "engine.max_new_tokens_limit": _at_least(1),
     "engine.max_running_requests": _at_least(1),
     "engine.max_prefill_tokens": _at_least(1),
     "engine.host_kv_pages": _at_least(0),
+    "engine.fault_inject_step_error_after": _OPTIONAL_AT_LEAST_1,
     "engine.attention_impl": _one_of(ATTENTION_IMPLS),
     "kernels.impl": _one_of(KERNEL_IMPLS),
     "disaggregation.transfer_backend": ((lambda v: v == "jax"), "jax"),

@@ -80,8 +80,9 @@ ENGINE_BUILDERS = {"local": "pdtopo.runtime.local.engine"}
 def build_engine(ctx: ProcessContext, tokenizer, metrics):
     """One mesh, one runner and the role's scheduler (P, D or colocated), warmed up."""
     # deferred: these import JAX, which loads on the loader thread while /health answers 503
+    from pdtopo.config.pool_reserve import reserved_pages
     from pdtopo.runtime.engine.mesh import build_mesh
-    from pdtopo.runtime.engine.model_runner import ModelRunner, reserved_pages, warmup_kinds
+    from pdtopo.runtime.engine.model_runner import ModelRunner, warmup_kinds
     from pdtopo.runtime.scheduler_factory import make_scheduler
 
     cfg = ctx.cfg

@@ -17,21 +17,24 @@ import pytest
 from omegaconf import OmegaConf
 
 from pdtopo.config.compose import compose_config
+from pdtopo.config.pool_reserve import gather_bucket, reserved_pages
 from pdtopo.config.schema import TopologyError
 from pdtopo.config.settings import runtime_settings
+from pdtopo.kernels import select_from_kv_caches
+from pdtopo.kernels.runs import bucket_size
 from pdtopo.ports import free_port
 from pdtopo.runtime.api.drain_routes import in_flight
 from pdtopo.runtime.disagg import messages as m
 from pdtopo.runtime.disagg.side_channel import SideChannel
 from pdtopo.runtime.engine.mesh import build_mesh
-from pdtopo.runtime.engine.model_runner import ModelRunner, reserved_pages, tightest_memory
+from pdtopo.runtime.engine.model_runner import ModelRunner, tightest_memory
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.scheduler_factory import make_scheduler
 from pdtopo.runtime.settings import direct_process_context
 
 BUDGET = 16  # two 17-token prompts: 3 pages of 8 tokens each, held as the wire's 8 rows
-OVERRIDES = ["model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
+OVERRIDES = ["model=tiny_llama", "model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
              "engine.max_running_requests=8", "disaggregation.kv_timeout_s=15",
              "disaggregation.sender_expiry_s=15", f"disaggregation.max_held_kv_pages={BUDGET}"]
 
@@ -44,7 +47,7 @@ def test_budget_keys_are_checked_with_their_name(key, value):
 
 
 def test_pool_sized_by_memory_leaves_room_for_held_copies(monkeypatch):
-    cfg = compose_config(["model.num_layers=2", "engine.page_size=8",
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2", "engine.page_size=8",
                           "disaggregation.max_held_kv_pages=10"])
     settings = runtime_settings(cfg, "prefill")
     assert reserved_pages(settings, "prefill") == 10
@@ -52,16 +55,74 @@ def test_pool_sized_by_memory_leaves_room_for_held_copies(monkeypatch):
     mesh = build_mesh(1)
     plain = ModelRunner(cfg.model, cfg.engine, mesh)
     page = plain.page_bytes_per_device()
-    step = plain.step_memory_bytes()  # the largest step's own buffers come off the budget
+    # the largest step's own buffers and the sampler's come off the budget
+    step = plain.step_memory_bytes() + plain.sampler_memory_bytes()
     assert step > 0
-    # half of the limit, less the step's buffers, is 50 pages
+    # half of the limit, less those buffers, is 50 pages
     monkeypatch.setattr(ModelRunner, "_memory_stats",
                         lambda self: {"bytes_limit": 100 * page + 2 * step, "bytes_in_use": 0})
     eng = OmegaConf.merge(cfg.engine, {"kv_memory_fraction": 0.5})
     assert ModelRunner(cfg.model, eng, mesh).num_pages == 50
     assert ModelRunner(cfg.model, eng, mesh, reserve_pages=10).num_pages == 40
-    with pytest.raises(ValueError, match="disaggregation.max_held_kv_pages=49"):
+    with pytest.raises(ValueError, match="49 of them are kept.*disaggregation.max_held_kv_pages"):
         ModelRunner(cfg.model, eng, mesh, reserve_pages=49)
+
+
+@pytest.mark.parametrize("running", [8, 64])
+def test_pool_sizing_counts_the_sampler(monkeypatch, running):
+    """The pool, the largest step's buffers and the sampler (penalty tables + the full
+    sampling program's temporaries, measured on the scheduler's own compiled programs after
+    warmup) fit the fraction of injected device memory."""
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2", "model.vocab_size=4096",
+                          "engine.page_size=8", f"engine.max_running_requests={running}",
+                          "engine.max_prefill_tokens=256"])
+    mesh = build_mesh(1)
+    plain = ModelRunner(cfg.model, cfg.engine, mesh)
+    page, step = plain.page_bytes_per_device(), plain.step_memory_bytes()
+    limit = 400 * page + 4 * step + 8 * plain.sampler_memory_bytes()
+    monkeypatch.setattr(ModelRunner, "_memory_stats",
+                        lambda self: {"bytes_limit": limit, "bytes_in_use": 0})
+    eng = OmegaConf.merge(cfg.engine, {"kv_memory_fraction": 0.5})
+    runner = ModelRunner(cfg.model, eng, mesh)
+    ctx = direct_process_context(cfg, role="colocated", name="colocated_0",
+                                 extra={"ports": {"http": free_port()}})
+    sched = make_scheduler(ctx, runner, load_tokenizer(cfg.model))
+    sched.warmup()
+    sampler = sched.sampler
+    tables = sampler.tables.counts.nbytes + sampler.tables.seen.nbytes
+    assert sampler.tables.counts.shape == (running, 4096)
+    programs = []
+    for key, program in sampler._compiled.items():
+        stats = program.memory_analysis()
+        if key[0] == "_sample":
+            programs.append(stats.temp_size_in_bytes + stats.output_size_in_bytes
+                            - stats.alias_size_in_bytes)
+    assert runner.sampler_memory_bytes() == tables + max(programs)
+    pool = runner.num_pages * page
+    assert pool + step + tables + max(programs) <= 0.5 * limit
+    assert pool + step + tables + max(programs) > 0.5 * limit - page  # and uses the rest
+
+
+def test_mode_b_reserves_only_the_packing():
+    """With d2h_staging, P's held copies live in host memory: the pool keeps back two packed
+    copies of a longest prompt (each padded to its gather bucket), not max_held_kv_pages;
+    the reserve covers two of the gather's real outputs."""
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2", "engine.page_size=8",
+                          "engine.max_model_len=200", "disaggregation.max_held_kv_pages=500",
+                          "disaggregation.d2h_staging=true"])
+    settings = runtime_settings(cfg, "prefill")
+    reserve = reserved_pages(settings, "prefill")
+    assert reserve == 2 * 32  # 200 tokens: 25 pages, gathered in a bucket of 32
+    assert all(gather_bucket(n) == bucket_size(n) for n in range(0, 300))
+    assert reserved_pages(runtime_settings(cfg, "decode"), "decode") == 0
+    mode_a = compose_config(["model=tiny_llama", "disaggregation.max_held_kv_pages=500"])
+    assert reserved_pages(runtime_settings(mode_a, "prefill"), "prefill") == 500
+    runner = ModelRunner(cfg.model, cfg.engine, build_mesh(1))
+    longest = list(range(1, 26))
+    packed = select_from_kv_caches(runner.kv_caches, longest, padded=True)  # what P stages
+    measured = sum(int(a.nbytes) for a in packed)
+    assert measured == 32 * runner.page_bytes_per_device()
+    assert 2 * measured <= reserve * runner.page_bytes_per_device()
 
 
 def test_pool_sizing_takes_the_tightest_device():

@@ -165,3 +165,56 @@ def test_logprobs_are_the_sampled_distribution():
     assert lp0 == pytest.approx(ref0[res.tokens[0]], abs=1e-5)
     lp1, top1 = res.token_logprob(1, 0)
     assert top1 == [] and lp1 == pytest.approx(ref1[res.tokens[1]], abs=1e-5)
+
+
+def _numpy_penalised(logits: np.ndarray, prompt: list[int], outputs: list[int],
+                     presence: float, frequency: float, repetition: float) -> np.ndarray:
+    """HF's repetition rule over prompt + outputs, then OpenAI's terms over outputs (NumPy)."""
+    x = logits.astype(np.float64).copy()
+    seen = np.zeros(x.shape[0], bool)
+    seen[prompt + outputs] = True
+    x[seen] = np.where(x[seen] > 0, x[seen] / repetition, x[seen] * repetition)
+    counts = np.bincount(np.asarray(outputs, np.int64), minlength=x.shape[0])
+    return x - frequency * counts - presence * (counts > 0)
+
+
+PENALTIES = {"repetition": dict(repetition_penalty=1.3),
+             "frequency_presence": dict(frequency_penalty=0.6, presence_penalty=0.4)}
+
+
+@pytest.mark.parametrize("position", [0, 3, 7])
+@pytest.mark.parametrize("kind", list(PENALTIES))
+def test_penalised_row_keeps_its_counts_beside_unpenalised_rows(kind, position):
+    """A penalised greedy request decoded step by step in a batch of 8 whose other rows
+    (unpenalised requests and padding) pick the same tokens it does: its device-side counts
+    must see every token it generated (no dummy-slot write may race its own), so its tokens
+    equal a NumPy reference over its own history and the same request sampled alone."""
+    kw = PENALTIES[kind]
+    rng = np.random.default_rng(11)
+    base = rng.normal(0, 1, VOCAB).astype(np.float32)
+    base[rng.choice(VOCAB, 6, replace=False)] += 8.0  # a few strong tokens: repeats likely
+    prompt, steps = [1, 2, 3], 16
+
+    def run(rows_in_batch: int) -> list[int]:
+        s, outputs = Sampler(penalty_slots=4), []
+        for step in range(steps):
+            logits = base + rng_step[step]
+            rows = [RowParams(0.0, -1, 1.0, 0, step) for _ in range(rows_in_batch)]
+            at = position if rows_in_batch > 1 else 0
+            rows[at] = RowParams(0.0, -1, 1.0, 0, step, history=PenaltyHistory(
+                1, prompt, outputs), **kw)
+            # every row (and the 2 padding rows) sees the same logits
+            batch = np.tile(logits, (rows_in_batch + 2, 1))
+            outputs.append(int(s.sample(jnp.asarray(batch), rows).tokens[at]))
+        return outputs
+
+    rng_step = rng.normal(0, 0.01, (steps, VOCAB)).astype(np.float32)
+    ref: list[int] = []
+    for step in range(steps):
+        x = _numpy_penalised(base + rng_step[step], prompt, ref,
+                             kw.get("presence_penalty", 0.0), kw.get("frequency_penalty", 0.0),
+                             kw.get("repetition_penalty", 1.0))
+        ref.append(int(np.argmax(x)))
+    assert len(set(ref)) > 3  # the penalty moves the argmax around
+    assert run(1) == ref
+    assert run(8) == ref

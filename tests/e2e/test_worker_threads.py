@@ -10,6 +10,10 @@ and the lockstep control thread. One real server process shows the whole path: t
 thread dies at its first batch, /health stops answering 200 and the process exits within 5 s.
 A dp deployment (two colocated instances behind sglang-router, supervisord) shows the rest: the
 router stops choosing the dead instance, the survivor serves, the replacement rejoins.
+A second dp deployment does the same for an engine step that fails after its KV pool was
+donated (`engine.fault_inject_step_error_after`, issue 45 item 2): the requests in flight on
+that instance are answered 503 before it exits (status 70); tests/unit/test_step_errors.py has
+the scheduler-level cases (fatal vs. per-request errors).
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def test_an_error_escaping_the_scheduler_crash_handler_reports_the_dead_loop():
 
 def test_scheduler_fault_knob_kills_the_loop_at_its_nth_batch():
     cfg = OmegaConf.merge(
-        compose_config(["server.fault_inject_thread=scheduler",
+        compose_config(["model=tiny_llama", "server.fault_inject_thread=scheduler",
                         "server.fault_inject_after_steps=3"]),
         {"engine": {"max_model_len": 64, "max_prefill_tokens": 32}, "model": {"name": "fake"}})
     s = Scheduler(direct_process_context(cfg), FakeRunner(64, 4), FakeTokenizer())
@@ -304,6 +308,98 @@ def test_router_stops_routing_to_an_instance_whose_scheduler_thread_died(tmp_pat
               f"{unhealthy_s:.2f}; process exited {exit_s:.2f}; router lists it unhealthy "
               f"{out_s:.2f}; then 5/5 short requests served by {alive}; {dead} restarted and "
               f"healthy {back_s:.1f} s after the exit check")
+    except BaseException:
+        print(dep.log_tails())
+        raise
+    finally:
+        dep.stop_and_check()
+
+
+# ------------------------------------------------------------------ a step that loses the pool
+STEP_FAULT_AT = 400  # every instance's scheduler fails its 400th step after donating its pool
+LONG_TOKENS = 700    # the requests in flight then are far from done
+STEP_FAULT_OVERRIDES = [
+    "topology=colocated_cpu", "topology.mode=dp", "topology.colocated.instances=2",
+    "topology.accelerator=cpu-2", *TINY_OVERRIDES, "engine.num_pages=400",  # 4 x 700 tokens
+    f"engine.fault_inject_step_error_after={STEP_FAULT_AT}",
+    "proxy.retries=0", "proxy.health_check_interval_s=1", "proxy.request_timeout_s=60",
+]
+
+
+@pytest.mark.slow
+def test_a_step_that_loses_the_kv_pool_restarts_its_server(tmp_path):
+    """dp, two colocated instances behind sglang-router, each armed to fail its 400th step
+    after donating its KV pool (`engine.fault_inject_step_error_after`). Four long requests in
+    flight on one instance: that step fails; every one of them is answered 503 (retryable,
+    naming the error) before the process exits with status 70, its /health answers 503 (never
+    200) until then, the router marks it unhealthy, the survivor serves, and supervisord's
+    replacement serves again. Before the fix the server kept /health 200 and failed every later
+    step on the deleted pool."""
+    from pdtopo.launcher.operate.router_admin import RouterAdmin
+    from pdtopo.launcher.operate.supervisor_control import pid_alive
+    from tests.support.e2e import Deployment, deployment_overrides, port_block
+    from tests.support.faults import (
+        Background,
+        post_generate,
+        program_pid,
+        wait_restarted,
+        wait_until,
+    )
+
+    dep = Deployment(tmp_path / "run",
+                     [*STEP_FAULT_OVERRIDES, *deployment_overrides(port_block(40))])
+    dep.launch()
+    try:
+        names = dep.names("colocated")
+        urls = {n: dep.url(n) for n in names}
+        dead, alive = names
+        pid = program_pid(dep, dead)
+        router = RouterAdmin(dep.proxy_url)
+        assert all(router.health(u) for u in urls.values()), router.workers()
+        long = {"text": "long", "sampling_params": {"max_new_tokens": LONG_TOKENS,
+                                                    "temperature": 0, "ignore_eos": True}}
+        t0 = time.monotonic()
+        flight = Background([lambda: post_generate(urls[dead], long, timeout=60)] * 4)
+        codes: list[tuple[float, int]] = []  # (when, /health status; 0: refused)
+        while pid_alive(pid) and time.monotonic() - t0 < 60:
+            try:
+                codes.append((time.monotonic(), httpx.get(f"{urls[dead]}/health",
+                                                          timeout=1).status_code))
+            except httpx.HTTPError:
+                codes.append((time.monotonic(), 0))
+            time.sleep(0.02)
+        exited = time.monotonic()
+        assert not pid_alive(pid), f"{dead} still runs {exited - t0:.0f} s after the requests"
+        outcomes = flight.result(timeout=10)  # none hangs
+        for o in outcomes:
+            assert o.status == 503, (o.status, o.body)
+            assert "injected failure of step" in o.body and "retry" in o.body, o.body
+            assert o.t_end <= exited + 0.5, (o.t_end - exited, o.body)
+        first_503 = next((t for t, c in codes if c == 503), None)  # /health 503 before
+        assert first_503 is not None, codes[-20:]                   # the exit ...
+        assert all(c != 200 for t, c in codes if t >= first_503), codes  # ... never 200 again
+        line = f"exited: {dead} (exit status {CRASH_EXIT_CODE}; not expected)"
+        wait_until(lambda: line in (dep.run_dir / "supervisord.log").read_text(), 5,
+                   what=f"supervisord logging {line!r}")
+        log = (dep.run_dir / "logs" / f"{dead}.log").read_text()
+        assert "device state is lost" in log and "worker thread scheduler crashed" in log
+        wait_until(lambda: router.health(urls[dead]) is not True, 10, interval=0.05,
+                   what=f"the router marking {dead} unhealthy")
+        out_s = time.monotonic() - exited
+        served = generated(urls[alive])
+        answers = [short(dep.proxy_url) for _ in range(3)]
+        assert [a.status_code for a in answers] == [200] * 3, [a.text[:200] for a in answers]
+        assert generated(urls[alive]) - served == 3 * 2  # all on the survivor
+        back_s = wait_restarted(dep, dead, pid, timeout=120)
+        wait_until(lambda: router.health(urls[dead]) is True, 30, what=f"{dead} back in router")
+        assert short(urls[dead]).status_code == 200  # the replacement serves
+        answers = [short(dep.proxy_url) for _ in range(4)]
+        assert [a.status_code for a in answers] == [200] * 4, [a.text[:200] for a in answers]
+        print(f"\n[reliability] step failure after donation, seconds after the 4 requests were "
+              f"sent: answered 503 at {max(o.t_end for o in outcomes) - t0:.2f}, process "
+              f"exited (status {CRASH_EXIT_CODE}) at {exited - t0:.2f}, /health 503 from "
+              f"{first_503 - t0:.2f}; router lists it unhealthy {out_s:.2f} s after the exit; "
+              f"replacement healthy {back_s:.1f} s after that check")
     except BaseException:
         print(dep.log_tails())
         raise

@@ -26,19 +26,23 @@ def print_topology_error(err: TopologyError, con: Console | None = None) -> None
               f"{err.message}", soft_wrap=True)
 
 
-def health_table(plan: Plan, rows: list[Row], title: str = "pdtopo launch") -> Table:
+def health_table(plan: Plan, rows: list[Row], title: str = "pdtopo launch",
+                 kv_pools: dict[str, str] | None = None) -> Table:
+    """The live launch table; `kv_pools` (program -> its KV pool, `plan.kv_pool`) adds a
+    column so the pool each instance gets shows before traffic does."""
     procs = plan.by_name()
     table = Table(title=title)
     for col in ("program", "role", "state", "pid", "health", "waited", "progress",
-                "health url"):
+                *(["KV pool"] if kv_pools else []), "health url"):
         table.add_column(col)
     for row in rows:
         proc = procs[row.name]
         style = STATE_STYLE.get(row.state, "")
         health = "[green]healthy[/]" if row.healthy else "[yellow]waiting[/]"
+        pool = [kv_pools.get(row.name, "-")] if kv_pools else []
         table.add_row(row.name, proc.role, f"[{style}]{row.state}[/]" if style else row.state,
                       str(row.pid or "-"), health, f"{row.waited_s:.1f}s",
-                      row.progress or "-", proc.health_url)
+                      row.progress or "-", *pool, proc.health_url)
     return table
 
 

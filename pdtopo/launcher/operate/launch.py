@@ -113,10 +113,13 @@ def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
             return 1
         timeout = group_settings(cfg, "launcher").health_timeout_s
         api_key = proxy_api_key(run_dir, typed_proxy(cfg))
-        with Live(display.health_table(plan, []), console=con, refresh_per_second=4) as live:
+        pools = prepared.kv_pools
+        with Live(display.health_table(plan, [], kv_pools=pools), console=con,
+                  refresh_per_second=4) as live:
             result = wait_for_programs(
                 plan, sv.states, timeout,
-                on_update=lambda rows: live.update(display.health_table(plan, rows)),
+                on_update=lambda rows: live.update(display.health_table(plan, rows,
+                                                                        kv_pools=pools)),
                 workers_fn=partial(router_workers_ready, api_key=api_key),
                 announce=_announcer(cfg, plan, api_key))
         if not result.ok:

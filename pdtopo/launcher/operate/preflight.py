@@ -14,8 +14,11 @@ and `check_platform(plan)`: a `tpu` plan launched on a host without TPU devices 
 with the emulation hint (`topology.platform=cpu` runs the same chip split on CPU devices).
 Each problem is a `ModelError` (a TopologyError: exit 2, key and value named), so a refused
 checkpoint fails the launch at once instead of crash-looping its programs until the health
-timeout. With `strict=False` (render, a dry run: the checkpoint may live only where the
-programs run, and a TPU topology is often rendered with the default tiny model) a `model.path`
+timeout. A packaged model (the default, SmolLM2) that cannot be fetched (no index reachable,
+nothing in `model.cache_dir`) fails here too, before supervisord starts, naming the
+`pdtopo fetch` command to run where the index is reachable and `model=tiny_llama`, which needs
+no download. With `strict=False` (render, a dry run: the checkpoint may live only where the
+programs run, and a TPU topology is often rendered with a model its tp cannot split) a `model.path`
 that does not exist here skips steps 1-2 and a tp that cannot split the model is reported as a
 warning; a checkpoint that exists here and is refused is an error either way.
 `wait_ports_free(plan)` refuses a launch whose ports are bound on this host (retried for a
@@ -34,8 +37,9 @@ from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.plan.expand import Plan
 from pdtopo.model_config.errors import CheckpointError
 from pdtopo.model_config.shapes import check_tp
-from pdtopo.model_config.sources.package_fetch import FetchError
-from pdtopo.model_config.sources.resolve import source_path
+from pdtopo.model_config.sources.fetch_cli import fetch_command
+from pdtopo.model_config.sources.package_fetch import FetchError, WheelHashMismatch
+from pdtopo.model_config.sources.resolve import cache_dir_of, source_path
 from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
 from pdtopo.model_config.tensors import check_checkpoint
 from pdtopo.ports import port_in_use
@@ -60,8 +64,10 @@ def _model_config(cfg: DictConfig, path: str | None) -> ModelConfig:
         raise ModelError("model.path", path, f"{e.where}: {e.key}={e.value!r}: {e.message}") from e
     except FileNotFoundError as e:
         raise ModelError("model.path", path, str(e)) from e
-    except FetchError as e:
+    except WheelHashMismatch as e:  # its message says what to do
         raise ModelError("model.package", path, str(e)) from e
+    except FetchError as e:
+        raise ModelError("model.package", path, f"{e}\n{_unfetched_hint(cfg)}") from e
     except ImportError as e:  # an optional reader (gguf) not installed
         raise ModelError("model.path", path, str(e)) from e
     except OSError as e:  # the cache not writable, a full disk while converting
@@ -70,6 +76,14 @@ def _model_config(cfg: DictConfig, path: str | None) -> ModelConfig:
     except (KeyError, ValueError) as e:
         raise ModelError("model", OmegaConf.select(cfg, "model.name"),
                          str(e.args[0] if isinstance(e, KeyError) else e)) from e
+
+
+def _unfetched_hint(cfg: DictConfig) -> str:
+    group = OmegaConf.to_container(cfg.model, resolve=True)
+    return (f"Nothing was started. Fetch the model where the package index is reachable: "
+            f"`{fetch_command(group)}` (or copy a fetched {cache_dir_of(group)} here), or "
+            "serve the tiny random model instead, which downloads nothing: "
+            "`pdtopo launch model=tiny_llama`")
 
 
 def _tp_checks(plan: Plan) -> list[tuple[str, int]]:
@@ -103,8 +117,14 @@ def check_platform(plan: Plan, devices: list[str] | None = None) -> None:
 
 def check_model(cfg: DictConfig, plan: Plan, *, strict: bool = True) -> list[str]:
     """Validate the model for `plan` (see module docstring); returns warnings."""
+    return checked_model(cfg, plan, strict=strict)[0]
+
+
+def checked_model(cfg: DictConfig, plan: Plan, *, strict: bool = True
+                  ) -> tuple[list[str], ModelConfig | None]:
+    """`check_model`'s warnings, and the model config it read (None where it read none)."""
     if not any(p.role in SERVING_ROLES for p in plan.processes):
-        return []  # this host runs no model (bootstrap / proxy only)
+        return [], None  # this host runs no model (bootstrap / proxy only)
     group = OmegaConf.to_container(cfg.model, resolve=True)
     try:
         path = source_path(group, fetch=False)  # where a packaged file lives once fetched
@@ -114,7 +134,7 @@ def check_model(cfg: DictConfig, plan: Plan, *, strict: bool = True) -> list[str
     if path and not strict and not Path(str(path)).exists():
         key = "model.path" if OmegaConf.select(cfg, "model.path") else "model.package"
         return [f"{key}: {str(path)!r} does not exist on this machine: the checkpoint was "
-                "not checked (pdtopo launch fetches and checks it where the programs run)"]
+                "not checked (pdtopo launch fetches and checks it where the programs run)"], None
     model = _model_config(cfg, path)
     if model.path:
         try:
@@ -130,7 +150,7 @@ def check_model(cfg: DictConfig, plan: Plan, *, strict: bool = True) -> list[str
             if strict:
                 raise ModelError(key, tp, str(e)) from e
             warnings.append(f"{key}={tp}: {e}; its programs would fail at start")
-    return warnings
+    return warnings, model
 
 
 def check_ports_free(plan: Plan) -> None:

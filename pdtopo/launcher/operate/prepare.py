@@ -11,7 +11,7 @@ starts what it prepared.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,8 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from pdtopo.config.run_files import holds_deployment
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.operate import display, hosts
-from pdtopo.launcher.operate.preflight import check_model, check_platform, wait_ports_free
+from pdtopo.launcher.operate.preflight import check_platform, checked_model, wait_ports_free
 from pdtopo.launcher.plan.expand import Plan, expand_plan
+from pdtopo.launcher.plan.kv_pool import pool_summaries
 from pdtopo.launcher.render.run_dir import new_token, remove_if_empty, write_run_dir
 from pdtopo.launcher.render.supervisord import program_settings, render_supervisord
 
@@ -32,6 +33,7 @@ class Prepared:
     token: str
     full_plan: Plan | None = None  # the whole plan (plan.json) when `plan` is one host's part
     run_dir: Path | None = None    # where supervisord runs: RUN, or RUN/hosts/NAME
+    kv_pools: dict[str, str] = field(default_factory=dict)  # program -> its KV pool (kv_pool)
 
 
 def prepare(cfg: DictConfig, run_dir: Path, *, token: str | None = None,
@@ -77,7 +79,9 @@ def prepare_or_report(cfg: DictConfig, run_dir: Path, check_ports: bool,
         # launch: strict (the programs start here); render: a dry run (see preflight)
         if check_ports:
             check_platform(prepared.plan)
-        prepared.plan.warnings += check_model(cfg, prepared.plan, strict=check_ports)
+        warnings, model = checked_model(cfg, prepared.plan, strict=check_ports)
+        prepared.plan.warnings += warnings
+        prepared.kv_pools = pool_summaries(cfg, prepared.plan, model)
         for warning in prepared.plan.warnings:
             con.print(f"[bold yellow]WARNING:[/] {warning}", highlight=False)
         if check_ports:
@@ -111,4 +115,6 @@ def render_job(cfg: DictConfig, run_dir: Path) -> int:
     write_run_dir(run_dir, cfg, prepared.plan, prepared.conf_text, prepared.token)
     con.print(f"rendered [bold]{prepared.plan.topology}[/] "
               f"({len(prepared.plan.processes)} programs) into {run_dir}")
+    for name, pool in prepared.kv_pools.items():
+        con.print(f"  {name}: KV pool {pool}", highlight=False, soft_wrap=True)
     return 0

@@ -30,6 +30,7 @@ class Accelerator:
     process_grids: dict[tuple[str, int], str] = field(default_factory=dict)
     gke_accelerator: str | None = None  # node label cloud.google.com/gke-tpu-accelerator
     gke_topology: str | None = None     # node label cloud.google.com/gke-tpu-topology
+    hbm_gib: float | None = None        # memory per chip (KV pool estimates before start)
 
     def split_sizes(self) -> list[int]:
         return sorted(self.bounds) if self.bounds else list(range(1, self.num_chips + 1))
@@ -47,12 +48,12 @@ _GRIDS_3D = {("1,1,1", 2): "1,2,1", ("1,1,1", 4): "2,2,1", ("1,2,1", 2): "2,1,1"
              ("2,2,1", 2): "1,1,2"}
 
 ACCELERATORS: dict[str, Accelerator] = {
-    "v6e-8": Accelerator("v6e-8", "tpu", 8, _V6E_LIKE, 1, _GRIDS_2D, "tpu-v6e-slice", "2x4"),
-    "v6e-16": Accelerator("v6e-16", "tpu", 4, _V6E_4, 4, _GRIDS_2D, "tpu-v6e-slice", "4x4"),
+    "v6e-8": Accelerator("v6e-8", "tpu", 8, _V6E_LIKE, 1, _GRIDS_2D, "tpu-v6e-slice", "2x4", 32),
+    "v6e-16": Accelerator("v6e-16", "tpu", 4, _V6E_4, 4, _GRIDS_2D, "tpu-v6e-slice", "4x4", 32),
     "v5e-8": Accelerator("v5e-8", "tpu", 8, _V6E_LIKE, 1, _GRIDS_2D, "tpu-v5-lite-podslice",
-                         "2x4"),
-    "v5p-8": Accelerator("v5p-8", "tpu", 4, _V4_LIKE, 1, _GRIDS_3D, "tpu-v5p-slice", "2x2x1"),
-    "v4-8": Accelerator("v4-8", "tpu", 4, _V4_LIKE, 1, _GRIDS_3D, "tpu-v4-podslice", "2x2x1"),
+                         "2x4", 16),
+    "v5p-8": Accelerator("v5p-8", "tpu", 4, _V4_LIKE, 1, _GRIDS_3D, "tpu-v5p-slice", "2x2x1", 95),
+    "v4-8": Accelerator("v4-8", "tpu", 4, _V4_LIKE, 1, _GRIDS_3D, "tpu-v4-podslice", "2x2x1", 32),
 }
 
 _CPU_RE = re.compile(r"^cpu-([1-9][0-9]*)$")

@@ -75,6 +75,7 @@ from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces, same_layou
 from pdtopo.runtime.disagg.side_channel import Peer, SideChannel, SideChannelEvent
 from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
 from pdtopo.runtime.engine.request import bootstrap_host_problem
+from pdtopo.runtime.engine.step_errors import device_state_lost, is_device_error
 from pdtopo.runtime.worker_threads import server_fault
 
 log = logging.getLogger(__name__)
@@ -429,6 +430,9 @@ class JaxTransferKVReceiver(_RoomEndpoint, BaseKVReceiver):
                 else:
                     self.mgr._scatter(packed, self.page_ids, room=self.room, skip=self._drop)
             except Exception as e:
+                if is_device_error(e) or device_state_lost(
+                        getattr(self.mgr.runner, "kv_caches", None) or ()):
+                    raise  # the pool went with it: the scheduler ends the process
                 self._fail(KVTransferError(f"room {self.room}: inserting the pulled KV into "
                                            f"the pool failed: {e}", status=500), notify=True)
                 return

@@ -172,6 +172,8 @@ class JaxTransferKVEngine:
 
             self.staging_memory_kind = host_memory_kind(jax.local_devices()[0],
                                                         "disaggregation.d2h_staging")
+        self._staging_lock = threading.Lock()  # mode B: one copy to host started at a time
+        self._last_staged: list[Any] | None = None
         self.faults = FaultInjector(fault_injection_prob, seed)
         self.expired: queue.Queue[int] = queue.Queue()
         self.sweep_interval_s = float(sweep_interval_s)
@@ -224,9 +226,9 @@ class JaxTransferKVEngine:
         arrays = list(arrays)
         if not arrays:
             raise ValueError(f"room {room}: nothing to register (empty array list)")
-        if self.staging_memory_kind is not None:
-            arrays = staged_on_host(arrays, self.staging_memory_kind)
         check_value("disaggregation.sender_expiry_s", expire_s)
+        if self.staging_memory_kind is not None:
+            arrays = self._stage(arrays)
         deadline = time.time() + float(expire_s)
         with self._lock:
             uid = self._fresh_uuid_locked() if uuid is None else int(uuid)
@@ -238,6 +240,19 @@ class JaxTransferKVEngine:
                                                       sum(int(a.nbytes) for a in arrays),
                                                       on_host=self.d2h_staging)
         return uid, deadline
+
+    def _stage(self, arrays: list[Any]) -> list[Any]:
+        """Mode B: host copies of `arrays`. The previous copy is waited for first, so at most
+        two registrations' device arrays await their copy to host at once: the device memory
+        a pool sized with d2h_staging keeps for them (`pdtopo.config.pool_reserve`)."""
+        import jax  # deferred: the disaggregation modules stay importable without JAX
+
+        with self._staging_lock:
+            if self._last_staged is not None:
+                jax.block_until_ready(self._last_staged)
+            staged = staged_on_host(arrays, self.staging_memory_kind)
+            self._last_staged = staged
+        return staged
 
     def release(self, room: int) -> bool:
         """Drop P's reference to a room's arrays, every part (after done / failure). True if

@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Any
 
+from pdtopo.config.pool_reserve import reserved_pages
 from pdtopo.kernels import insert_kv_chunks, select_from_kv_caches
 from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
@@ -58,7 +59,6 @@ from pdtopo.runtime.engine.mesh import build_mesh, local_process_index
 from pdtopo.runtime.engine.model_runner import (
     ModelRunner,
     SeqChunk,
-    reserved_pages,
     warmup_kinds,
 )
 from pdtopo.runtime.http_auth import HttpGuard

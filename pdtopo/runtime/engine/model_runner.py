@@ -9,7 +9,9 @@ per sequence: prefill chunks (many tokens), decode chunks (one token) or a mix. 
   2. runs the step's compiled programs (`pdtopo.runtime.engine.step_programs`: embed, one
      decoder layer executable called once per layer, head): paged attention
      (`pdtopo.runtime.engine.attention`) writes the new K/V into `kv_caches` (donated, updated in
-     place); the result is float32 logits at each chunk's last token.
+     place); the result is float32 logits at each chunk's last token. A step that fails
+     once the pool was donated leaves `kv_caches` deleted: the scheduler then ends the
+     process (`pdtopo.runtime.engine.step_errors`).
 KV pool format (docs/architecture.md): 2*L arrays `[num_pages, page_size, kv_heads, head_dim]`
 ordered k_0, v_0, k_1, v_1, ..., sharded `P(None, None, "tp", None)`.
 """
@@ -32,10 +34,17 @@ from jax.sharding import PartitionSpec as P
 from omegaconf import DictConfig
 
 from pdtopo.config import tpu_kernel_budget
-from pdtopo.config.settings import EngineSettings, engine_settings
+from pdtopo.config.pool_reserve import STAGING_COPIES
+from pdtopo.config.settings import (
+    EngineSettings,
+    engine_settings,
+    resolved_kv_memory_fraction,
+)
 from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
 from pdtopo.runtime.engine import attention as attn
 from pdtopo.runtime.engine.pool_format import POOL_FORMAT
+from pdtopo.runtime.engine.sampling import penalty_slots_for, sampler_memory_bytes
+from pdtopo.runtime.engine.step_errors import StepFault
 from pdtopo.runtime.engine.step_inputs import (
     StepGeometry,
     StepInputs,
@@ -72,13 +81,6 @@ WARMUP_BY_ROLE: dict[str, dict[str, bool]] = {
 
 def warmup_kinds(role: str) -> dict[str, bool]:
     return dict(WARMUP_BY_ROLE.get(role, {}))
-
-
-def reserved_pages(settings: Any, role: str) -> int:
-    """Pages' worth of device memory a server of `role` keeps out of a pool that
-    `engine.kv_memory_fraction` sizes: P's packed KV copies waiting for D's pull take up to
-    `disaggregation.max_held_kv_pages` pages (as many bytes per device as pool pages)."""
-    return int(settings.disaggregation.max_held_kv_pages) if role == "prefill" else 0
 
 
 def tightest_memory(per_device: list[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -143,6 +145,7 @@ class ModelRunner:
         self.kv_caches: list[jax.Array] = self._allocate_pool()
         self._lock = threading.Lock()  # forward is single-owner; the lock guards misuse
         self._warmed = False  # after warmup, compiling a new shape is worth a warning
+        self.step_fault = StepFault()  # testing: arm_step_fault
         log.info("ModelRunner: %s tp=%d dtype=%s kv_dtype=%s pages=%d x %d attention=%s%s",
                  self.config.name, self.tp, self.dtype, self.kv_dtype, self.num_pages,
                  self.page_size, self.attention_impl,
@@ -165,7 +168,8 @@ class ModelRunner:
         return 2 * cfg.num_layers * per * jnp.dtype(self.kv_dtype).itemsize
 
     def _num_pages(self, engine: EngineSettings) -> int:
-        fraction = engine.kv_memory_fraction
+        platform = self.mesh.devices.flat[0].platform
+        fraction = resolved_kv_memory_fraction(engine.kv_memory_fraction, platform)
         if fraction is None:
             n = engine.num_pages
         else:
@@ -177,22 +181,23 @@ class ModelRunner:
                     f"engine.kv_memory_fraction=null and engine.num_pages instead")
             limit = int(stats["bytes_limit"])
             free = limit - int(stats.get("bytes_in_use", 0))
-            step = self.step_memory_bytes()
-            budget = min(fraction * limit, 0.95 * free) - step
+            step, sampler = self.step_memory_bytes(), self.sampler_memory_bytes()
+            budget = min(fraction * limit, 0.95 * free) - step - sampler
             n = int(budget // self.page_bytes_per_device()) - self.reserve_pages
             log.info("KV pool sized from device memory: limit %.2f GiB, free %.2f GiB, the "
-                     "largest step's own buffers %.1f MiB -> %d pages", limit / 2**30,
-                     free / 2**30, step / 2**20, n)
+                     "largest step's own buffers %.1f MiB, the sampler's %.1f MiB -> %d pages",
+                     limit / 2**30, free / 2**30, step / 2**20, sampler / 2**20, n)
             if n < 2 and self.reserve_pages:
                 raise ValueError(
                     f"engine.kv_memory_fraction={fraction} leaves room for "
-                    f"{n + self.reserve_pages} KV pages, and "
-                    f"disaggregation.max_held_kv_pages={self.reserve_pages} of them are kept "
-                    "for the KV copies waiting for decode servers: lower "
-                    "disaggregation.max_held_kv_pages or raise engine.kv_memory_fraction")
+                    f"{n + self.reserve_pages} KV pages, and {self.reserve_pages} of them "
+                    "are kept for P's KV copies (disaggregation.max_held_kv_pages of them "
+                    "in device memory; with disaggregation.d2h_staging only their packing: "
+                    f"{STAGING_COPIES} prompts of engine.max_model_len): lower that setting or "
+                    "raise engine.kv_memory_fraction")
             if self.reserve_pages:
-                log.info("KV pool: %d pages; %d pages' worth of memory kept for held KV copies "
-                         "(disaggregation.max_held_kv_pages)", n, self.reserve_pages)
+                log.info("KV pool: %d pages; %d pages' worth of memory kept for P's KV copies "
+                         "(reserved_pages)", n, self.reserve_pages)
         if n < 2:
             raise ValueError(f"engine.num_pages={n}: the pool needs at least 2 pages "
                              "(page 0 is reserved padding)")
@@ -215,6 +220,23 @@ class ModelRunner:
                                     sharding=self.kv_sharding)
         return self._programs.memory_bytes(step.key, self.params, pool,
                                            *self._abstract_inputs(step))
+
+    def sampling_row_counts(self) -> set[int]:
+        """Every row count of the padded logits the scheduler samples from: the largest batch
+        bucket and those of 1, 2, 4, ... one-token chunks up to twice the running cap."""
+        chunk = SeqChunk([0], 0, [1])
+        rows, n = {self.geometry.max_rows}, 1
+        while n < 2 * self.max_running_requests:
+            rows.add(self.logits_rows([chunk] * n))
+            n *= 2
+        return rows
+
+    def sampler_memory_bytes(self) -> int:
+        """Device bytes the scheduler's sampler needs per device (its penalty tables and the
+        full sampling program at the largest row count: `sampling.sampler_memory_bytes`)."""
+        return sampler_memory_bytes(max(self.sampling_row_counts()), self.config.vocab_size,
+                                    self._replicated,
+                                    penalty_slots_for(self.max_running_requests))
 
     def _allocate_pool(self) -> list[jax.Array]:
         cfg = self.config
@@ -301,9 +323,15 @@ class ModelRunner:
                 log.warning("compiling step shape %s while serving: not warmed (a kind of "
                             "step this role's warmup skips, or a batch larger than the engine "
                             "settings allow)", "/".join(str(k) for k in step.key[:3]))
-            logits, self.kv_caches = self._programs.run(step.key, self.params, self.kv_caches,
-                                                        *inputs)
+            logits, pool = self._programs.run(step.key, self.params, self.kv_caches, *inputs)
+            self.step_fault.tick()  # testing: raises here, the pool donated and not taken back
+            self.kv_caches = pool
         return logits
+
+    def arm_step_fault(self, after: int | None) -> None:
+        """Testing (`engine.fault_inject_step_error_after`): the `after`-th step from now fails
+        after its programs were given the pool (`step_errors.StepFault`)."""
+        self.step_fault = StepFault(after)
 
     # forward(..., feed=) is served by this runner (a multi-process leader's is not)
     supports_feed = True

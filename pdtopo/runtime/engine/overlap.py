@@ -69,20 +69,26 @@ class OverlapMixin:
     def dispatch_step(self, reqs: list[Req], chunks: list, kind: str, feed: tuple | None = None,
                       ahead: int = 0) -> PendingSample | None:
         """The step's forward and sampling, dispatched (nothing read back); a failure ends
-        the step's requests (None). `feed`/`ahead`: a continuation (`run_ahead`)."""
+        the step's requests (None), or is raised when it is fatal (`step_error_is_fatal`:
+        the event loop ends the process). `feed`/`ahead`: a continuation (`run_ahead`)."""
         try:
             extra = {} if feed is None else {"feed": feed}  # a leader's runner takes no feed
             logits = self.runner.forward(chunks, padded=True, **extra)
             return self.sampler.dispatch(logits, [self.row_params(r, ahead) for r in reqs])
         except Exception as exc:
+            if self.step_error_is_fatal(exc):
+                raise
             self.fail_batch(reqs, kind, exc)
             return None
 
     def read_step(self, sample: PendingSample, reqs: list[Req], kind: str):
-        """The step's sampled rows read back (SampleResult); a failure ends its requests."""
+        """The step's sampled rows read back (SampleResult); a failure ends its requests, or
+        is raised when fatal (a device error surfaces here: the programs ran asynchronously)."""
         try:
             return sample.result()
         except Exception as exc:
+            if self.step_error_is_fatal(exc):
+                raise
             self.fail_batch(reqs, kind, exc)
             return None
 

@@ -216,8 +216,11 @@ def _sample(logits, counts, seen, p):
     masked = jnp.where(_filters(scaled, p), scaled, -jnp.inf)
     use_greedy = (p["temperature"] == 0) | (p["top_k"] == 1)
     tokens = jnp.where(use_greedy, greedy_ids, _draw(masked, greedy_ids, p))
-    counts = counts.at[slot, tokens].add(has[:, 0].astype(jnp.int32))
-    seen = seen.at[slot, tokens].set(seen[slot, tokens] | has[:, 0])
+    # rows without a penalty slot write out of range and are dropped: never a shared dummy
+    # slot, whose duplicate scatter indices would race the real owner's update
+    write_slot = jnp.where(p["slot"] >= 0, p["slot"], counts.shape[0])
+    counts = counts.at[write_slot, tokens].add(1, mode="drop")
+    seen = seen.at[write_slot, tokens].set(True, mode="drop")
     logprobs = jax.nn.log_softmax(scaled, -1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], -1)[:, 0]
     top_n = min(MAX_TOP_LOGPROBS, x.shape[1])
@@ -227,6 +230,29 @@ def _sample(logits, counts, seen, p):
                  jnp.zeros((x.shape[0], top_n), jnp.int32)))
     return {"tokens": tokens, "logprobs": chosen, "top_ids": top_ids.astype(jnp.int32),
             "top_logprobs": top_lp}, counts, seen
+
+
+def penalty_slots_for(max_running_requests: int) -> int:
+    """Penalty-table slots of a scheduler's sampler: one per row a step can sample."""
+    return max(1, int(max_running_requests))
+
+
+def sampler_memory_bytes(rows: int, vocab: int, sharding: Any, penalty_slots: int) -> int:
+    """Device bytes per device the sampler needs beside the step programs: the penalty tables
+    (`[penalty_slots, vocab]` int32 + bool, laid out like the logits) and the full sampling
+    program's temporaries and new outputs for `rows` float32 logits rows (XLA's memory
+    analysis; the donated tables it returns are not counted twice). Compiled here, not kept."""
+    tables = jax.ShapeDtypeStruct((penalty_slots, vocab), jnp.int32, sharding=sharding)
+    seen = jax.ShapeDtypeStruct((penalty_slots, vocab), jnp.bool_, sharding=sharding)
+    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=sharding)
+    table_bytes = int(np.prod(sharding.shard_shape(tables.shape))) * (
+        np.dtype(np.int32).itemsize + np.dtype(np.bool_).itemsize)
+    stats = _sample.lower(logits, tables, seen, _row_params([], rows)).compile().memory_analysis()
+    if stats is None:
+        return table_bytes
+    program = (int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
+               - int(stats.alias_size_in_bytes))
+    return table_bytes + max(program, 0)
 
 
 class Sampler:

@@ -27,6 +27,10 @@ whose iteration is `step()`:
     idle_wait()              -> when there is nothing to run: block on the inbox briefly
 
 Outputs go to each request's sink (`ReqOutput`: new tokens; the finish reason at the end).
+A step that fails ends its own requests (`fail_batch`), or everything when it cost the engine
+its device state (a device error, the pool donated and lost: `step_error_is_fatal`): then
+`fail_engine` answers every request 503 and ends the thread, and with it the process
+(step_errors.py).
 
 Extension points for the PD mixins (override, call super() where it makes sense):
 - `handle_new_request(req)`: a validated request arrives (P/D may route it to their own queues);
@@ -64,7 +68,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from pdtopo.runtime.engine.host_kv import HostKVTier
 from pdtopo.runtime.engine.metrics import EngineMetrics
@@ -80,13 +84,19 @@ from pdtopo.runtime.engine.request import (
     ReqStatus,
     TokenLogprob,
 )
-from pdtopo.runtime.engine.sampling import RowParams, Sampler, SampleResult
+from pdtopo.runtime.engine.sampling import RowParams, Sampler, SampleResult, penalty_slots_for
+from pdtopo.runtime.engine.step_errors import (
+    EngineStateLost,
+    device_state_lost,
+    is_device_error,
+)
 from pdtopo.runtime.worker_threads import CrashHandler, WorkerThread, crash_process, server_fault
 
 log = logging.getLogger("pdtopo.scheduler")
 
 _STOP = object()
 EVICTABLE_REFRESH_S = 0.5  # how often a busy scheduler recounts the pages only its cache holds
+ANSWER_GRACE_S = 0.5  # after a fatal step error: time the HTTP layer gets to send the answers
 
 
 @dataclass
@@ -146,7 +156,7 @@ class Scheduler(OverlapMixin):
         self.model_name = eng.served_model_name or str(ctx.cfg.model.name)
         self.metrics = metrics or EngineMetrics(self.model_name, getattr(ctx, "role", self.role))
         self.eos_ids = set(int(t) for t in (tokenizer.eos_token_ids or []))
-        self.sampler = Sampler(penalty_slots=max(1, self.max_running))  # one per step row
+        self.sampler = Sampler(penalty_slots=penalty_slots_for(self.max_running))
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -172,6 +182,8 @@ class Scheduler(OverlapMixin):
         # ends the process (supervisord restarts it) instead of leaving /health 200
         self.on_crash: CrashHandler = crash_process
         self.fault = server_fault(ctx.settings, "scheduler")
+        # testing: the runner's N-th step fails after the pool was donated (step_errors.py)
+        self.step_fault_after = eng.fault_inject_step_error_after
         self.publish_stats()
 
     # ------------------------------------------------------------------ thread-safe API
@@ -233,14 +245,9 @@ class Scheduler(OverlapMixin):
         try:
             chunk = SeqChunk([0], 0, [page])
             logits = self.runner.forward([chunk], padded=True)
-            rows = {self.runner.geometry.max_rows}
-            n = 1
-            while n < 2 * self.max_running:
-                rows.add(self.runner.logits_rows([chunk] * n))
-                n *= 2
         finally:
             self.allocator.free([page])
-        self.sampler.warmup(rows, like=logits)
+        self.sampler.warmup(self.runner.sampling_row_counts(), like=logits)
         if self.overlap:
             self.runner.warmup_feeds()
         if self.host_tier is not None:
@@ -250,10 +257,14 @@ class Scheduler(OverlapMixin):
     def event_loop(self) -> None:
         log.info("scheduler loop started (pages=%d, page_size=%d)", self.allocator.num_total,
                  self.page_size)
+        if self.step_fault_after is not None:
+            self.runner.arm_step_fault(self.step_fault_after)
         while not self._stop.is_set():
             try:
                 self.step()
-            except Exception as exc:  # a bug in one step must not kill the server
+            except Exception as exc:  # a bug in one step must not kill the server ...
+                if self.step_error_is_fatal(exc):  # ... unless its device state is lost
+                    self.fail_engine(exc)
                 log.exception("scheduler step failed; failing in-flight requests")
                 for req in list(self.reqs.values()):
                     self.finish_request(req, FinishReason.abort(f"engine error: {exc}"))
@@ -262,6 +273,46 @@ class Scheduler(OverlapMixin):
         self.alive = False
         self.publish_stats()
         log.info("scheduler loop stopped")
+
+    def step_error_is_fatal(self, exc: BaseException) -> bool:
+        """Whether a step's exception leaves this engine unable to run another step: a device
+        error, or an array of its device state donated and not replaced (step_errors.py)."""
+        return is_device_error(exc) or device_state_lost(self.device_state())
+
+    def device_state(self) -> list[Any]:
+        """The device arrays that steps donate: the KV pool and the penalty tables."""
+        arrays = list(getattr(self.runner, "kv_caches", None) or [])
+        tables = self.sampler.tables
+        if tables is not None:
+            arrays += [tables.counts, tables.seen]
+        return arrays
+
+    def fail_engine(self, exc: BaseException) -> NoReturn:
+        """A step failed and took the engine's device state with it: /health 503 at once,
+        every request held answered with a retryable 503, a moment for the HTTP layer to send
+        those answers, then `EngineStateLost` ends this thread, and `on_crash` the process
+        (status 70; supervisord starts a fresh one)."""
+        self.alive = False
+        log.critical("engine step failed and its device state is lost (%s: %s); answering "
+                     "%d request(s) and ending the process", type(exc).__name__, exc,
+                     len(self.reqs))
+        reason = FinishReason.abort(f"engine error: {exc}; the server restarts (retry the "
+                                    "request)", 503)
+        answered = 0
+        for req in list(self.reqs.values()):
+            try:
+                self.finish_request(req, reason)
+                answered += 1
+            except Exception:  # noqa: BLE001 - the others still get theirs; the exit follows
+                log.exception("could not end %s", req.rid)
+        self.in_flight = None
+        try:
+            self.publish_stats()
+        except Exception:  # noqa: BLE001 - the exit follows
+            log.exception("could not publish the final stats")
+        if answered:
+            time.sleep(ANSWER_GRACE_S)
+        raise EngineStateLost(f"engine device state lost: {type(exc).__name__}: {exc}") from exc
 
     def step(self) -> None:
         self.drain_inbox()
