@@ -28,8 +28,8 @@ from pdtopo.runtime.engine.scheduler import Scheduler  # noqa: E402
 from pdtopo.runtime.model.tokenizer import load_tokenizer  # noqa: E402
 from pdtopo.runtime.settings import direct_process_context  # noqa: E402
 
-DEFAULTS = ["engine.max_running_requests=16", "engine.max_prefill_tokens=256",
-            "engine.max_model_len=256", "engine.num_pages=512"]
+DEFAULTS = ["model=tiny_llama", "engine.max_running_requests=16",
+            "engine.max_prefill_tokens=256", "engine.max_model_len=256", "engine.num_pages=512"]
 
 _compiles = [0]
 

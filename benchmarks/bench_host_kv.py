@@ -39,9 +39,9 @@ from pdtopo.bench.workload import multiturn
 from pdtopo.ports import free_port_block
 
 PAGE = 16
-SMOLLM2_SHAPES = ["model.num_layers=30", "model.hidden_size=576", "model.intermediate_size=1536",
-                  "model.num_heads=9", "model.num_kv_heads=3", "model.head_dim=64",
-                  "model.vocab_size=49152"]
+SMOLLM2_SHAPES = ["model=tiny_llama", "model.num_layers=30", "model.hidden_size=576",
+                  "model.intermediate_size=1536", "model.num_heads=9", "model.num_kv_heads=3",
+                  "model.head_dim=64", "model.vocab_size=49152"]
 USER_LEN, OUTPUT_LEN = 32, 16
 # P's small pool runs two of these prefills at a time (~4 s each on this CPU) and queues the
 # rest: their KV comes later than the default 30 s, which is not what is measured here

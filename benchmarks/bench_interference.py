@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every deployment")
     args = ap.parse_args()
     # a pool that holds every request at once: preemption would confound the comparison
-    common = ["engine.max_model_len=1024", "engine.max_prefill_tokens=1024",
+    common = ["model=tiny_llama", "engine.max_model_len=1024", "engine.max_prefill_tokens=1024",
               "engine.num_pages=2048", "launcher.health_timeout_s=900", *args.overrides]
     topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
 

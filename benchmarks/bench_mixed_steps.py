@@ -33,8 +33,8 @@ from pdtopo.runtime.engine.scheduler import Scheduler  # noqa: E402
 from pdtopo.runtime.model.tokenizer import load_tokenizer  # noqa: E402
 from pdtopo.runtime.settings import direct_process_context  # noqa: E402
 
-DEFAULTS = ["engine.max_running_requests=16", "engine.max_prefill_tokens=256",
-            "engine.max_model_len=2304", "engine.num_pages=512"]
+DEFAULTS = ["model=tiny_llama", "engine.max_running_requests=16",
+            "engine.max_prefill_tokens=256", "engine.max_model_len=2304", "engine.num_pages=512"]
 PROMPT = 2048
 DECODERS = 8
 

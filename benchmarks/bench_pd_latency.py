@@ -209,7 +209,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="pdtopo-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        tiny = run_all(tmp, "tiny", [], proxies, args, measure)
+        tiny = run_all(tmp, "tiny", ["model=tiny_llama"], proxies, args, measure)
         chat = None
         if not args.no_openai:
             ckpt = tmp / "checkpoint"

@@ -62,8 +62,8 @@ from pdtopo.model_config.spec import model_config_from_cfg
 from pdtopo.ports import free_port_block
 
 PAGE = 16
-RANDOM8 = ["model.hidden_size=256", "model.intermediate_size=512", "model.num_layers=8",
-           "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32"]
+RANDOM8 = ["model=tiny_llama", "model.hidden_size=256", "model.intermediate_size=512",
+           "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32"]
 MODEL = list(RANDOM8)  # --model NAME: the model group instead (e.g. smollm2)
 ENGINE = ["engine.max_model_len=2048", "engine.max_prefill_tokens=2048",
           "engine.num_pages=1024", "engine.max_running_requests=16"]

@@ -92,7 +92,7 @@ def main() -> None:
         write_random_checkpoint(ckpt, arch="llama", tied=True, shape=SMOLLM2_135M)
         print(f"wrote a {SMOLLM2_135M.layers}-layer SmolLM2-135M-shaped random checkpoint in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
-        tiny = measure("tiny", tmp, common)
+        tiny = measure("tiny", tmp, ["model=tiny_llama", *common])
         deep = measure("30-layer", tmp, ["model=hf_local", f"model.path={ckpt}", *common])
     ratio = deep["cold"] / tiny["cold"]
     print(f"\nbaseline (tiny model, {tiny['cold']:.1f} s cold, {tiny['warm']:.1f} s warm); "

@@ -65,7 +65,7 @@ def _malformed(f: dict) -> str | None:
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("badinput_pd") / "run"
-    d = Deployment(run_dir, ["topology=1p1d_cpu", "model.num_layers=1",
+    d = Deployment(run_dir, ["topology=1p1d_cpu", "model=tiny_llama", "model.num_layers=1",
                              "engine.max_new_tokens_default=4", "engine.max_new_tokens_limit=8",
                              f"disaggregation.side_channel_max_peers={CAP}",
                              f"disaggregation.side_channel_peer_idle_s={IDLE_S}",

@@ -27,7 +27,7 @@ from pdtopo.runtime.settings import direct_process_context, load_process_context
 
 def render_fails(tmp_path: Path, capsys, *overrides: str) -> str:
     run = tmp_path / "run"
-    code = main(["render", f"hydra.run.dir={run}", *overrides])
+    code = main(["render", "model=tiny_llama", f"hydra.run.dir={run}", *overrides])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2, err
     assert not run.exists(), "a run dir was written for an invalid topology"
@@ -115,9 +115,9 @@ def test_render_rejects(case, tmp_path, capsys):
 
 def test_run_dir_that_holds_a_deployment_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["render", f"hydra.run.dir={run}"]) == 0
+    assert main(["render", "model=tiny_llama", f"hydra.run.dir={run}"]) == 0
     capsys.readouterr()
-    assert main(["render", f"hydra.run.dir={run}"]) == 2
+    assert main(["render", "model=tiny_llama", f"hydra.run.dir={run}"]) == 2
     assert "already holds a deployment" in " ".join(capsys.readouterr().err.split())
 
 
@@ -127,7 +127,7 @@ def test_per_role_overrides_that_agree_are_planned_and_applied(tmp_path):
     over = ["+topology.prefill.engine.page_size=32", "+topology.decode.engine.page_size=32",
             "topology.prefill.engine.num_pages=300"]  # pool sizes may differ per role
     run = tmp_path / "run"
-    assert main(["render", f"hydra.run.dir={run}", *over]) == 0
+    assert main(["render", "model=tiny_llama", f"hydra.run.dir={run}", *over]) == 0
     p = load_process_context(run, "prefill_0")
     d = load_process_context(run, "decode_0")
     assert p.cfg.engine.page_size == d.cfg.engine.page_size == 32
@@ -138,7 +138,7 @@ def test_per_role_overrides_that_agree_are_planned_and_applied(tmp_path):
 
 
 def test_direct_context_applies_role_overrides():
-    cfg = compose_config(["+topology.decode.engine.kv_dtype=bfloat16"])
+    cfg = compose_config(["model=tiny_llama", "+topology.decode.engine.kv_dtype=bfloat16"])
     assert direct_process_context(cfg, role="decode").cfg.engine.kv_dtype == "bfloat16"
     assert direct_process_context(cfg, role="prefill").cfg.engine.kv_dtype == "auto"
     assert cfg.engine.kv_dtype == "auto"  # the caller's config is not modified
@@ -147,9 +147,9 @@ def test_direct_context_applies_role_overrides():
 def test_incompatible_roles_escape_hatch_warns_loudly(tmp_path, capsys):
     over = ["+topology.decode.engine.page_size=8"]
     run = tmp_path / "run"
-    assert main(["render", f"hydra.run.dir={run}", *over]) == 2
+    assert main(["render", "model=tiny_llama", f"hydra.run.dir={run}", *over]) == 2
     capsys.readouterr()
-    assert main(["render", f"hydra.run.dir={run}", *over,
+    assert main(["render", "model=tiny_llama", f"hydra.run.dir={run}", *over,
                  "launcher.allow_incompatible_roles=true"]) == 0
     err = " ".join(capsys.readouterr().err.split())
     assert "WARNING" in err and "topology.decode.engine.page_size=8" in err
@@ -161,7 +161,7 @@ def test_incompatible_roles_escape_hatch_warns_loudly(tmp_path, capsys):
 # ---------------------------------------------------------------------------- API key
 
 def test_api_key_travels_in_the_environment_only(tmp_path):
-    cfg = compose_config(["proxy.api_key=s3cr3t-key"])
+    cfg = compose_config(["model=tiny_llama", "proxy.api_key=s3cr3t-key"])
     plan = expand_plan(cfg, run_dir=str(tmp_path), python="/py")
     proxy = plan.by_name()["proxy"]
     assert inner_command(proxy.command)[2] == "pdtopo.launcher.programs.router_entry"
@@ -171,21 +171,21 @@ def test_api_key_travels_in_the_environment_only(tmp_path):
     proxy_env = [line for line in text.splitlines()
                  if line.startswith("environment=") and API_KEY_ENV in line]
     assert len(proxy_env) == 1 and f'{API_KEY_ENV}="s3cr3t-key"' in proxy_env[0]
-    plain = expand_plan(compose_config([]), python="/py").by_name()["proxy"]
+    plain = expand_plan(compose_config(["model=tiny_llama"]), python="/py").by_name()["proxy"]
     assert inner_command(plain.command)[2] == "sglang_router.launch_router"
     assert not plain.secret_env
 
 
 def test_api_key_from_the_launching_environment(monkeypatch):
     monkeypatch.setenv("PDTOPO_TEST_ROUTER_KEY", "from-env")
-    cfg = compose_config(["proxy.api_key=${oc.env:PDTOPO_TEST_ROUTER_KEY}"])
+    cfg = compose_config(["model=tiny_llama", "proxy.api_key=${oc.env:PDTOPO_TEST_ROUTER_KEY}"])
     proxy = expand_plan(cfg, python="/py").by_name()["proxy"]
     assert proxy.secret_env == {API_KEY_ENV: "from-env"}
     assert "from-env" not in OmegaConf.to_yaml(OmegaConf.create(resolved_config(cfg)))
 
 
 def test_api_key_file_is_a_path_in_the_plan(tmp_path):
-    proxy = expand_plan(compose_config([f"proxy.api_key_file={tmp_path}/k"]),
+    proxy = expand_plan(compose_config(["model=tiny_llama", f"proxy.api_key_file={tmp_path}/k"]),
                         python="/py").by_name()["proxy"]
     assert proxy.env[API_KEY_FILE_ENV] == f"{tmp_path}/k" and not proxy.secret_env
 
@@ -210,8 +210,8 @@ def test_each_router_parses_the_planned_command(proxy_kind, monkeypatch):
     bad value is an argparse SystemExit), and the key set by the entry lands on its RouterArgs."""
     extra = {"rust": '["--cache-threshold","0.4"]',
              "gateway": '["--worker-wedge-secs","120","--cache-threshold","0.4"]'}[proxy_kind]
-    cfg = compose_config(["topology=2p2d_cpu", f"proxy={proxy_kind}", "proxy.retries=0",
-                          "proxy.circuit_breaker=false", "proxy.api_key=k9",
+    cfg = compose_config(["model=tiny_llama", "topology=2p2d_cpu", f"proxy={proxy_kind}",
+                          "proxy.retries=0", "proxy.circuit_breaker=false", "proxy.api_key=k9",
                           f"proxy.extra_args={extra}"])
     cmd = expand_plan(cfg, python="/py").by_name()["proxy"].command
     module, argv = split_router_module(inner_command(cmd)[3:])

@@ -48,14 +48,16 @@ def _router_args(kind: str, command: list[str]):
 
 @pytest.mark.parametrize("kind", ["rust", "gateway", "mini_lb"])
 def test_every_proxy_kind_gets_the_servers_limit(kind):
-    plan = expand_plan(compose_config([f"proxy={kind}", "server.max_body_bytes=4096"]))
+    plan = expand_plan(compose_config(["model=tiny_llama", f"proxy={kind}",
+                                       "server.max_body_bytes=4096"]))
     command = plan.by_name()["proxy"].command
     assert command[command.index("--max-payload-size") + 1] == "4096"
     assert _router_args(kind, command).max_payload_size == 4096  # bytes, as the proxy reads it
     if kind == "mini_lb":  # MiniLB enforces no limit itself: pdtopo's entry adds it
         assert inner_command(command)[1:3] == ["-m", "pdtopo.launcher.programs.mini_lb_entry"]
     with pytest.raises(TopologyError) as err:
-        expand_plan(compose_config(["proxy=rust", 'proxy.extra_args=["--max-payload-size=9"]']))
+        expand_plan(compose_config(["model=tiny_llama", "proxy=rust",
+                                    'proxy.extra_args=["--max-payload-size=9"]']))
     assert err.value.key == "proxy.extra_args.0"
 
 

@@ -212,7 +212,7 @@ def test_tp_that_cannot_split_the_model_fails_launch_and_warns_render(tmp_path, 
     12 attention heads: no checkpoint involved). Fewer KV heads that divide tp are repeated
     and served (test_model_runner, test_local_e2e)."""
     run = tmp_path / "run"
-    bad = ["model.num_kv_heads=3", "model.num_heads=12"]
+    bad = ["model=tiny_llama", "model.num_kv_heads=3", "model.num_heads=12"]
     res = run_pdtopo(["launch", *overrides, *bad,
                       "launcher.health_timeout_s=30", f"hydra.run.dir={run}"], timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr

@@ -19,7 +19,8 @@ def test_mode_b_gives_mode_a_tokens(kv_dtype):
     prompts = [p for _, p, _ in shared_prefix_prompts(vocab=256)][:5]
     got = {}
     for staging in ("false", "true"):
-        cfg = compose_config(["model.num_layers=2", f"engine.kv_dtype={kv_dtype}", *ENGINE,
+        cfg = compose_config(["model=tiny_llama", "model.num_layers=2",
+                              f"engine.kv_dtype={kv_dtype}", *ENGINE,
                               f"disaggregation.d2h_staging={staging}"])
         tok = load_tokenizer(cfg.model)
         p, d = _scheduler(cfg, "prefill", tok), _scheduler(cfg, "decode", tok)

@@ -11,8 +11,8 @@ from tests.support.constants import REPO_ROOT
 
 
 def test_v6e8_vs_2p2d_semantic_diff():
-    res = diff_configs(compose_config(["topology=1p1d_v6e8"]),
-                       compose_config(["topology=2p2d"]), cpus=[0, 1])
+    res = diff_configs(compose_config(["model=tiny_llama", "topology=1p1d_v6e8"]),
+                       compose_config(["model=tiny_llama", "topology=2p2d"]), cpus=[0, 1])
     assert res.added == ["prefill_1", "decode_1"] and res.removed == []
     p0 = dict((k, (a, b)) for k, a, b in res.processes["prefill_0"])
     assert p0["chips"] == ([0, 1, 2, 3], [0, 1])

@@ -165,7 +165,7 @@ def kill_under_load(dep: Deployment, program: str) -> dict:
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("failover") / "run"
-    d = Deployment(run_dir, ["topology=2p2d_cpu", "model.num_layers=2",
+    d = Deployment(run_dir, ["topology=2p2d_cpu", "model=tiny_llama", "model.num_layers=2",
                              *deployment_overrides(port_block(40))])
     try:
         d.launch()

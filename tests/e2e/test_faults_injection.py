@@ -36,7 +36,7 @@ GREEDY = greedy(6)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    model = [o for o in FAULT_OVERRIDES if o.startswith(("model.", "engine."))]
+    model = [o for o in FAULT_OVERRIDES if o.startswith(("model=", "model.", "engine."))]
     with colocated_reference(tmp_path_factory.mktemp("faultref"), model, PROMPTS,
                              GREEDY) as ids:
         yield ids

@@ -163,7 +163,8 @@ def test_follower_state_needs_the_credential_health_does_not():
 
 
 def _plan(*overrides: str):
-    return expand_plan(compose_config(["topology=1p1d_cpu", *overrides]), cpus=[0, 1])
+    return expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_cpu", *overrides]),
+                       cpus=[0, 1])
 
 
 def test_loopback_plans_are_unchanged():
@@ -213,7 +214,7 @@ def test_bad_http_auth_value_names_the_key():
 
 
 def test_run_dir_holds_the_derived_key_private(tmp_path):
-    cfg = compose_config(["topology=1p1d_cpu", "server.bind_host=0.0.0.0"])
+    cfg = compose_config(["model=tiny_llama", "topology=1p1d_cpu", "server.bind_host=0.0.0.0"])
     plan = expand_plan(cfg, run_dir=str(tmp_path), cpus=[0, 1])
     token = new_token()
     write_run_dir(tmp_path, cfg, plan, "[supervisord]\n", token)
@@ -222,7 +223,7 @@ def test_run_dir_holds_the_derived_key_private(tmp_path):
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     loop = tmp_path / "loop"
     loop.mkdir()
-    cfg = compose_config(["topology=1p1d_cpu"])
+    cfg = compose_config(["model=tiny_llama", "topology=1p1d_cpu"])
     write_run_dir(loop, cfg, expand_plan(cfg, run_dir=str(loop), cpus=[0, 1]), "", token)
     assert not (loop / "api_key").exists()
 
@@ -232,7 +233,7 @@ def test_dp_workers_beyond_loopback_need_the_key_and_colocated_true_derives_one(
                "server.bind_host=0.0.0.0").by_name()
     for name in ("colocated_0", "colocated_1", "proxy"):
         assert dp[name].env[API_KEY_DERIVED_ENV] == "1", name
-    cfg = compose_config(["topology=colocated_cpu", "server.http_auth=true"])
+    cfg = compose_config(["model=tiny_llama", "topology=colocated_cpu", "server.http_auth=true"])
     plan = expand_plan(cfg, run_dir=str(tmp_path), cpus=[0])
     assert plan.by_name()["colocated_0"].env[API_KEY_DERIVED_ENV] == "1"
     token = new_token()
@@ -245,7 +246,7 @@ def test_a_k8s_render_guards_servers_whose_topology_says_loopback(tmp_path):
     for k8s gets the credential too, or the router's requests would be refused."""
     from pdtopo.launcher.operate.k8s_job import k8s_objects
 
-    cfg = compose_config(["topology=1p1d_v6e8", "server.bind_host=null"])
+    cfg = compose_config(["model=tiny_llama", "topology=1p1d_v6e8", "server.bind_host=null"])
     token = new_token()
     objects = k8s_objects(cfg, tmp_path, token)
     secret = next(o for o in objects.values() if o["kind"] == "Secret")
@@ -264,7 +265,7 @@ def test_scale_gives_every_guarded_program_the_running_key(tmp_path):
     from pdtopo.launcher.operate.scale import plan_scale
 
     run = tmp_path / "run"
-    assert main(["render", "topology=2p2d_cpu", "topology.accelerator=cpu-6",
+    assert main(["render", "model=tiny_llama", "topology=2p2d_cpu", "topology.accelerator=cpu-6",
                  "proxy.api_key=the-real-key", "server.http_auth=true",
                  f"hydra.run.dir={run}"]) == 0
     assert "the-real-key" not in (run / "config.yaml").read_text()

@@ -48,7 +48,8 @@ from tests.support.e2e import (
 pytestmark = pytest.mark.slow
 
 # small batch and prefill budgets: few shapes to compile at warmup (6 servers start at once)
-BASE = ["model.num_layers=2", "disaggregation.kv_timeout_s=20", "engine.num_pages=64",
+BASE = ["model=tiny_llama", "model.num_layers=2",
+        "disaggregation.kv_timeout_s=20", "engine.num_pages=64",
         "engine.max_running_requests=2", "engine.max_prefill_tokens=64"]
 TOKEN = "incompatible-peers-token"
 VARIANTS = {

@@ -19,7 +19,8 @@ from tests.support.e2e import (
 )
 
 pytestmark = pytest.mark.slow
-SMALL = ["model.num_layers=2", "engine.num_pages=128", "engine.max_model_len=128"]
+SMALL = ["model=tiny_llama", "model.num_layers=2",
+         "engine.num_pages=128", "engine.max_model_len=128"]
 
 
 def test_crash_loop_ends_the_launch_with_the_programs_error(tmp_path):

@@ -95,7 +95,7 @@ def fake_env(tmp_path):
 def test_launch_status_stop_with_fake_engine(tmp_path, fake_env):
     run = tmp_path / "outputs" / "2030-01-01" / "00-00-00"  # found as the latest run
     try:
-        res = pdtopo(tmp_path, "launch", "--detach", f"hydra.run.dir={run}",
+        res = pdtopo(tmp_path, "launch", "--detach", f"hydra.run.dir={run}", "model=tiny_llama",
                      "launcher.server_module=pdtopo_fake_server", "launcher.health_timeout_s=60",
                      *port_overrides(), env=fake_env)
         assert res.returncode == 0, res.stdout + res.stderr
@@ -150,7 +150,7 @@ def test_fatal_program_prints_log_tail_and_tears_down(tmp_path, fake_env):
     run = tmp_path / "run"
     fake_env = {**fake_env, "FAKE_FAIL": "decode_0"}
     try:
-        res = pdtopo(tmp_path, "launch", "--detach", f"hydra.run.dir={run}",
+        res = pdtopo(tmp_path, "launch", "--detach", f"hydra.run.dir={run}", "model=tiny_llama",
                      "launcher.server_module=pdtopo_fake_server", "launcher.startretries=1",
                      "launcher.health_timeout_s=60", *port_overrides(), env=fake_env)
         assert res.returncode == 1, res.stdout + res.stderr
@@ -169,7 +169,7 @@ def test_colocated_launch_foreground_until_stop(tmp_path, fake_env):
     http = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdtopo.cli", "launch", f"hydra.run.dir={run}",
-         "topology=colocated_cpu", f"topology.ports.http_base={http}",
+         "topology=colocated_cpu", "model=tiny_llama", f"topology.ports.http_base={http}",
          f"topology.ports.transfer_base={free_port()}", f"topology.ports.zmq_base={free_port()}",
          "launcher.server_module=pdtopo_fake_server"],
         cwd=tmp_path, env=fake_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -200,8 +200,8 @@ def test_launch_real_runtime(tmp_path):
     run = tmp_path / "run"
     try:
         res = pdtopo(tmp_path, "launch", "--detach", f"hydra.run.dir={run}",
-                     "launcher.health_timeout_s=240", "model.num_layers=1", *port_overrides(),
-                     timeout=600)
+                     "launcher.health_timeout_s=240", "model=tiny_llama", "model.num_layers=1",
+                     *port_overrides(), timeout=600)
         assert res.returncode == 0, res.stdout + res.stderr
         sv = Supervisor(run)
         assert {i["statename"] for i in sv.processes()} == {"RUNNING"}

@@ -27,7 +27,7 @@ from tests.support.e2e import (
 
 pytestmark = pytest.mark.slow
 
-ENGINE = ["model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
+ENGINE = ["model=tiny_llama", "model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
           "engine.max_running_requests=4", "engine.max_prefill_tokens=64",
           "engine.max_model_len=256"]
 PROMPTS = [

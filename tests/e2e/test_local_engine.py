@@ -23,7 +23,7 @@ from pdtopo.runtime.settings import direct_process_context
 from pdtopo.runtime.worker_threads import InjectedCrash
 from tests.support.e2e import baseline_problems
 
-ENGINE = ["model.num_layers=2", "engine.num_pages=48", "engine.page_size=8",
+ENGINE = ["model=tiny_llama", "model.num_layers=2", "engine.num_pages=48", "engine.page_size=8",
           "engine.max_running_requests=4", "engine.max_prefill_tokens=64",
           "engine.max_model_len=128", "topology=local_cpu"]
 N_NEW = 10

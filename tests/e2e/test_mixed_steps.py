@@ -16,7 +16,7 @@ LONG = [11, 2, 2, 90, 41, 17] * 30  # 180 tokens: 6 chunks of at most 32
 
 
 def _run(mixed: bool, impl: str):
-    cfg = compose_config([f"engine.mixed_steps={str(mixed).lower()}",
+    cfg = compose_config(["model=tiny_llama", f"engine.mixed_steps={str(mixed).lower()}",
                           f"engine.attention_impl={impl}", "engine.max_prefill_tokens=32",
                           "engine.max_running_requests=4", "engine.max_model_len=256"])
     sched, runner = scheduler_for(cfg, "colocated", load_tokenizer(cfg.model))

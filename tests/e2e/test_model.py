@@ -23,7 +23,7 @@ from pdtopo.runtime.model.tokenizer import (
 
 
 def _tiny(**over):
-    cfg = compose_config([])
+    cfg = compose_config(["model=tiny_llama"])
     d = dict(cfg.model)
     d.update(over)
     return d

@@ -15,7 +15,7 @@ PAGE = 4  # small pages: short prompts still span several pages
 
 
 def _cfg(**engine):
-    cfg = compose_config([])
+    cfg = compose_config(["model=tiny_llama"])
     eng = OmegaConf.merge(cfg.engine, {"page_size": PAGE, "num_pages": 96,
                                        "max_model_len": 64, **engine})
     return cfg.model, eng

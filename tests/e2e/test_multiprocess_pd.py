@@ -35,7 +35,7 @@ from tests.support.multiprocess import ExtraProcesses, single_process_entry
 
 pytestmark = pytest.mark.slow
 
-OVERRIDES = ["model.num_layers=2", "engine.page_size=4", "engine.num_pages=128",
+OVERRIDES = ["model=tiny_llama", "model.num_layers=2", "engine.page_size=4", "engine.num_pages=128",
              "engine.max_running_requests=4", "engine.max_prefill_tokens=128",
              "engine.max_model_len=256"]
 PROMPTS = [

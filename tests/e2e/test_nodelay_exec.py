@@ -162,7 +162,7 @@ def test_usage_without_a_command():
 
 
 def _proxy_command(*overrides: str) -> list[str]:
-    plan = expand_plan(compose_config(["topology=1p1d_cpu", *overrides]))
+    plan = expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_cpu", *overrides]))
     return plan.by_name()["proxy"].command
 
 
@@ -189,7 +189,7 @@ def test_a_bad_setting_is_refused_naming_the_key(value):
 
 
 def test_the_plan_json_keeps_the_wrapper():
-    plan = expand_plan(compose_config(["topology=1p1d_cpu"]))
+    plan = expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_cpu"]))
     assert NODELAY_MODULE in json.dumps(plan.to_dict())
 
 

@@ -23,7 +23,7 @@ from tests.support.e2e import baseline_problems
 
 pytestmark = pytest.mark.slow  # real model runners behind real schedulers
 
-OVERRIDES = ["model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
+OVERRIDES = ["model=tiny_llama", "model.num_layers=2", "engine.num_pages=64", "engine.page_size=8",
              "engine.max_running_requests=8", "disaggregation.kv_timeout_s=15",
              "disaggregation.sender_expiry_s=15"]
 

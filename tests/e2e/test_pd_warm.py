@@ -22,7 +22,7 @@ from pdtopo.runtime.settings import direct_process_context
 
 pytestmark = pytest.mark.slow  # real model runners behind real schedulers
 
-OVERRIDES = ["model.num_layers=2", "engine.num_pages=96", "engine.page_size=8",
+OVERRIDES = ["model=tiny_llama", "model.num_layers=2", "engine.num_pages=96", "engine.page_size=8",
              "engine.max_model_len=96", "engine.max_running_requests=8",
              "engine.max_prefill_tokens=64", "disaggregation.kv_timeout_s=20"]
 

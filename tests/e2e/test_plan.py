@@ -13,7 +13,7 @@ from pdtopo.launcher.plan.validate import TopologyError
 
 
 def plan_for(*overrides: str, cpus=None) -> Plan:
-    return expand_plan(compose_config(list(overrides)), run_dir="/runs/r1",
+    return expand_plan(compose_config(["model=tiny_llama", *overrides]), run_dir="/runs/r1",
                        python="/venv/bin/python", cpus=cpus)
 
 
@@ -193,7 +193,7 @@ def test_plan_json_shape_roundtrip():
 
 
 def test_expand_is_pure_and_deterministic():
-    cfg = compose_config(["topology=2p2d"])
+    cfg = compose_config(["model=tiny_llama", "topology=2p2d"])
     before = cfg.copy()
     a = expand_plan(cfg, run_dir="R", python="p", cpus=4).to_json()
     b = expand_plan(cfg, run_dir="R", python="p", cpus=4).to_json()

@@ -12,8 +12,8 @@ from pdtopo.launcher.plan.expand import Plan, expand_plan
 
 def plan_for(*overrides: str, cpus=None) -> Plan:
     # multi-host programs listen on their plan address (server.bind_host=null)
-    return expand_plan(compose_config(["server.bind_host=null", *overrides]), run_dir="/runs/r1",
-                       python="/venv/bin/python", cpus=cpus)
+    return expand_plan(compose_config(["model=tiny_llama", "server.bind_host=null", *overrides]),
+                       run_dir="/runs/r1", python="/venv/bin/python", cpus=cpus)
 
 
 def test_1p1d_v6e16_golden():

@@ -43,8 +43,9 @@ def _scheduler(cfg, role: str, tok):
 
 
 def test_tiny_model_cache_on_equals_cache_off_colocated_and_pd():
-    cfg_on = compose_config(["model.num_layers=2", *ENGINE])
-    cfg_off = compose_config(["model.num_layers=2", "engine.prefix_cache=false", *ENGINE])
+    cfg_on = compose_config(["model=tiny_llama", "model.num_layers=2", *ENGINE])
+    cfg_off = compose_config(["model=tiny_llama", "model.num_layers=2",
+                              "engine.prefix_cache=false", *ENGINE])
     tok = load_tokenizer(cfg_on.model)
     cases = shared_prefix_prompts(vocab=256)
     prompts = [p for _, p, _ in cases]
@@ -99,7 +100,8 @@ def test_hf_checkpoint_with_cache_gives_transformers_greedy_tokens(tmp_path, nam
 
 
 def test_decode_prefix_cache_pulls_only_new_pages_and_matches_colocated():
-    cfg = compose_config(["model.num_layers=2", "disaggregation.decode_prefix_cache=true",
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2",
+                          "disaggregation.decode_prefix_cache=true",
                           *ENGINE])
     tok = load_tokenizer(cfg.model)
     colocated = _scheduler(cfg, "colocated", tok)
@@ -140,7 +142,8 @@ def test_decode_prefix_cache_pulls_only_new_pages_and_matches_colocated():
 
 
 def test_a_claim_of_cached_pages_that_does_not_match_fails_the_room_cleanly():
-    cfg = compose_config(["model.num_layers=2", "disaggregation.decode_prefix_cache=true",
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2",
+                          "disaggregation.decode_prefix_cache=true",
                           *ENGINE])
     tok = load_tokenizer(cfg.model)
     p = _scheduler(cfg, "prefill", tok)

@@ -70,7 +70,7 @@ def test_golden_independent_of_venv_location(tmp_path, monkeypatch, python):
     monkeypatch.chdir(tmp_path / "nc")
     monkeypatch.setattr(sys, "executable", str(tmp_path / python))
     run = tmp_path / "run"
-    assert main(["render", "topology=1p1d_cpu_2host", "server.bind_host=null",
+    assert main(["render", "model=tiny_llama", "topology=1p1d_cpu_2host", "server.bind_host=null",
                  "launcher.compilation_cache_dir=null", f"hydra.run.dir={run}"]) == 0
     for host in ("host-a", "host-b"):
         hdir = run / "hosts" / host
@@ -87,7 +87,7 @@ def test_golden_independent_of_venv_location(tmp_path, monkeypatch, python):
 ])
 def test_per_host_supervisord_golden(tmp_path, topology, hosts):
     run = tmp_path / "run"
-    assert main(["render", f"topology={topology}", "server.bind_host=null",
+    assert main(["render", "model=tiny_llama", f"topology={topology}", "server.bind_host=null",
                  "launcher.compilation_cache_dir=null", f"hydra.run.dir={run}"]) == 0
     assert sorted(p.name for p in (run / "hosts").iterdir()) == sorted(hosts)
     assert not (run / "supervisord.conf").exists()  # no all-hosts supervisord

@@ -25,7 +25,7 @@ from tests.support.golden import neutral_text
 GOLDEN = GOLDEN_DIR / "k8s"
 REGEN = os.environ.get("PDTOPO_REGEN_GOLDEN") == "1"
 K8S_VERSION = "1.31"  # schemas bundled with kubernetes-validate (offline)
-BASE = ["launcher.compilation_cache_dir=null"]
+BASE = ["model=tiny_llama", "launcher.compilation_cache_dir=null"]
 
 # LeaderWorkerSet v1 (CRD, not in the core schemas). Fields, types and enums taken from
 # kubernetes-sigs/lws api/leaderworkerset/v1/leaderworkerset_types.go: LeaderWorkerSetSpec

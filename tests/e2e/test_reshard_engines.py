@@ -76,7 +76,7 @@ def _stop(*scheds):
 
 
 def test_tiny_model_pairs_of_different_tp_match_colocated():
-    cfg = compose_config(["model.num_layers=2", *ENGINE])
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2", *ENGINE])
     tok = load_tokenizer(cfg.model)
     cases = shared_prefix_prompts(vocab=256)
     prompts = [p for _, p, _ in cases]
@@ -137,7 +137,8 @@ def test_hf_checkpoint_replicated_kv_heads_across_a_reshard(tmp_path):
 
 
 def test_decode_prefix_cache_pulls_only_new_pages_through_a_reshard():
-    cfg = compose_config(["model.num_layers=2", "disaggregation.decode_prefix_cache=true",
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2",
+                          "disaggregation.decode_prefix_cache=true",
                           *ENGINE])
     tok = load_tokenizer(cfg.model)
     colocated = _scheduler(cfg, "colocated", tok, 1)

@@ -15,7 +15,7 @@ from pdtopo.launcher.operate.deployment import Deployment
 
 def rendered(tmp_path: Path, *overrides: str) -> Path:
     run = tmp_path / "run"
-    assert main(["render", f"hydra.run.dir={run}", *overrides]) == 0
+    assert main(["render", "model=tiny_llama", f"hydra.run.dir={run}", *overrides]) == 0
     return run
 
 

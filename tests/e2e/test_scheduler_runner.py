@@ -24,7 +24,8 @@ NEW = 16
 @pytest.fixture(scope="module")
 def sched():
     # 29 usable pages of 4 tokens: the 8 requests together need 56 -> preemption in the batch run
-    cfg = compose_config(["model.num_layers=2", "engine.page_size=4", "engine.num_pages=30",
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2",
+                          "engine.page_size=4", "engine.num_pages=30",
                           "engine.max_model_len=64", "engine.max_running_requests=8",
                           "engine.max_prefill_tokens=64"])
     ctx = direct_process_context(cfg)

@@ -131,7 +131,8 @@ def test_flat_work_items_cover_each_visible_block_once():
 def test_engine_compiles_nothing_while_serving_a_mixed_workload():
     """Warmup (runner + sampler) then staggered prompts of many lengths, chunked prefill and
     preemption: no step shape and no XLA program is compiled while serving."""
-    cfg = compose_config(["model.num_layers=2", "engine.page_size=8", "engine.num_pages=24",
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2",
+                          "engine.page_size=8", "engine.num_pages=24",
                           "engine.max_model_len=128", "engine.max_running_requests=6",
                           "engine.max_prefill_tokens=48"])
     runner = ModelRunner(cfg.model, cfg.engine, build_mesh(1))
@@ -192,7 +193,8 @@ def test_a_runner_warmed_without_decode_runs_one_token_chunks_flat():
     assert one[:2] == ("flat", 1)
     assert shape_grid(flat_only, decode=False) == shape_grid(g, decode=False) | {one}
 
-    cfg = compose_config(["model.num_layers=2", "engine.page_size=4", "engine.num_pages=16",
+    cfg = compose_config(["model=tiny_llama", "model.num_layers=2",
+                          "engine.page_size=4", "engine.num_pages=16",
                           "engine.max_model_len=32", "engine.max_running_requests=4",
                           "engine.max_prefill_tokens=16"])
     both = ModelRunner(cfg.model, cfg.engine, build_mesh(1))

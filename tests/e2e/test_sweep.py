@@ -20,7 +20,8 @@ from pdtopo.launcher.plan.expand import expand_plan
 from tests.support.e2e import deployment_overrides, port_block, processes_of_run, run_pdtopo
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SHORT_BENCH = ["model.num_layers=1", "bench.num_requests=6", "bench.input_len=16",
+SHORT_BENCH = ["model=tiny_llama", "model.num_layers=1",
+               "bench.num_requests=6", "bench.input_len=16",
                "bench.output_len=4", "bench.warmup_requests=1", "bench.progress=false",
                "engine.num_pages=128", "engine.max_model_len=256"]
 
@@ -101,8 +102,8 @@ def test_summary_reports_failed_jobs_with_their_error(tmp_path):
 
 @pytest.mark.parametrize("cpus", [[0, 1], list(range(8)), [2, 3, 5, 7]])
 def test_pd_and_colocated_get_the_same_core_budget(cpus):
-    pd = expand_plan(compose_config(["topology=1p1d_cpu"]), cpus=cpus)
-    colo = expand_plan(compose_config(["topology=colocated_cpu"]), cpus=cpus)
+    pd = expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_cpu"]), cpus=cpus)
+    colo = expand_plan(compose_config(["model=tiny_llama", "topology=colocated_cpu"]), cpus=cpus)
     p, d = (next(x.cpu_affinity for x in pd.processes if x.role == r)
             for r in ("prefill", "decode"))
     (c,) = [x.cpu_affinity for x in colo.processes if x.role == "colocated"]

@@ -175,8 +175,9 @@ def test_serving_with_the_interpreted_kernel(tp):
 
     tokens = {}
     for impl in ("gather", "pallas_interpret"):
-        cfg = compose_config([f"engine.attention_impl={impl}", "engine.max_running_requests=8",
-                              "engine.max_prefill_tokens=64", "engine.max_model_len=128"])
+        cfg = compose_config(["model=tiny_llama", f"engine.attention_impl={impl}",
+                              "engine.max_running_requests=8", "engine.max_prefill_tokens=64",
+                              "engine.max_model_len=128"])
         sched, runner = scheduler_for(cfg, "colocated", load_tokenizer(cfg.model), tp)
         runner.warmup()  # as the server does before it serves
         sched.warmup()

@@ -37,7 +37,7 @@ SLUGS = {"colocated-tp1", "colocated-tp2", "dp2-tp1", "pd-1p1-1d1"}
 def tuned(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
     tune_dir = root / "tune"
-    overrides = ["topology=1p1d_cpu", "tune.chips=2", "model.num_layers=1",
+    overrides = ["topology=1p1d_cpu", "tune.chips=2", "model=tiny_llama", "model.num_layers=1",
                  *deployment_overrides(port_block(40)), f"tune.dir={tune_dir}",
                  "tune.max_runs_per_candidate=2", "tune.start_rate=4",
                  "bench.num_requests=8", "bench.warmup_requests=1", "bench.input_len=16",
@@ -107,7 +107,7 @@ def test_a_rerun_resumes_from_the_stored_runs(tuned):
 def test_the_best_topology_launches_and_serves(tuned, tmp_path):
     tune_dir, _, _, _ = tuned
     dep = Deployment(tmp_path / "best", ["--config-dir", str(tune_dir), "topology=best",
-                                         "model.num_layers=1",
+                                         "model=tiny_llama", "model.num_layers=1",
                                          *deployment_overrides(port_block(40))]).launch()
     try:
         assert dep.plan["topology"] == "1p1d_cpu_tuned"

@@ -79,13 +79,13 @@ def test_search_reports_nothing_when_no_rate_passes():
 
 
 def _candidates(*overrides: str, chips=None, cpus=(0, 1)):
-    cfg = compose_config(list(overrides))
+    cfg = compose_config(["model=tiny_llama", *overrides])
     topo = typed_topology(cfg)
     acc = accelerator_spec(topo.accelerator, topo.platform)
     budget = budget_of(topo, acc, chips)
     cands = candidate_overrides(topo, acc, budget)
-    return budget, check_candidates(cands, lambda extra: compose_config([*overrides, *extra]),
-                                    list(cpus))
+    return budget, check_candidates(
+        cands, lambda extra: compose_config(["model=tiny_llama", *overrides, *extra]), list(cpus))
 
 
 def test_two_cpu_chips_give_the_four_candidates():
@@ -125,7 +125,7 @@ def test_v6e8_candidates_use_the_planner_and_the_model_check():
 
 
 def test_dry_run_lists_v6e8_candidates_with_tpu_env_and_starts_nothing(tmp_path, capsys):
-    assert main(["tune", "topology=1p1d_v6e8", "tune.dry_run=true",
+    assert main(["tune", "topology=1p1d_v6e8", "model=tiny_llama", "tune.dry_run=true",
                  f"tune.dir={tmp_path / 'tune'}"]) == 0
     out = capsys.readouterr().out
     assert "for 8 chips (dry run: nothing started)" in out
@@ -134,8 +134,9 @@ def test_dry_run_lists_v6e8_candidates_with_tpu_env_and_starts_nothing(tmp_path,
     assert "colocated-tp8: colocated tp=8 (8 chips, charged 8 units)" in out  # KV heads repeated
     assert not (tmp_path / "tune").exists()
     # a model no TP above 1 can split: every such candidate is refused by the model check
-    assert main(["tune", "topology=1p1d_v6e8", "tune.dry_run=true", "model.num_kv_heads=3",
-                 "model.num_heads=12", "model.intermediate_size=384"]) == 0
+    assert main(["tune", "topology=1p1d_v6e8", "tune.dry_run=true", "model=tiny_llama",
+                 "model.num_kv_heads=3", "model.num_heads=12",
+                 "model.intermediate_size=384"]) == 0
     out = capsys.readouterr().out
     assert "colocated-tp8: colocated tp=8 (8 chips) refused: topology.colocated.mesh.tp=8: " \
         "tensor parallelism tp=8 needs model.num_kv_heads % tp == 0" in out
@@ -186,9 +187,10 @@ def test_a_killed_tune_resumes_without_repeating_finished_runs(tmp_path):
     assert benched[:3] == first and len(set(benched)) == len(benched)  # nothing run twice
     assert len(res.runs) == 6 and len(benched) == 6
     # a different workload is a different key: nothing reused
-    other = compose_config(["topology=1p1d_cpu", *cand.candidate.overrides, "bench.output_len=7"])
+    other = compose_config(["model=tiny_llama", "topology=1p1d_cpu", *cand.candidate.overrides,
+                            "bench.output_len=7"])
     assert run_key(other) != key
-    ports = compose_config(["topology=1p1d_cpu", *cand.candidate.overrides,
+    ports = compose_config(["model=tiny_llama", "topology=1p1d_cpu", *cand.candidate.overrides,
                             "topology.ports.http_base=40000", "bench.request_rate=9"])
     assert run_key(ports) == key  # ports and the rate do not change a result
 
@@ -213,8 +215,8 @@ def test_ranking_files_and_the_best_topology_file(tmp_path, capsys):
             return g
         out.search = find_max_rate(measure, s)
         outcomes.append(out)
-    cfg = compose_config(["topology=1p1d_cpu", f"tune.dir={tmp_path}"])
-    code = report.write_report(tmp_path, outcomes, cfg, ["topology=1p1d_cpu"],
+    cfg = compose_config(["model=tiny_llama", "topology=1p1d_cpu", f"tune.dir={tmp_path}"])
+    code = report.write_report(tmp_path, outcomes, cfg, ["model=tiny_llama", "topology=1p1d_cpu"],
                                display.console())
     assert code == 0
     rows = report.ranked([report.row_of(o) for o in outcomes])
@@ -263,7 +265,7 @@ def test_a_candidate_that_fails_to_launch_is_recorded_and_skipped(tmp_path, monk
     for _attempt in range(2):
         out = Outcome(checked[0], key=run_key(checked[0].cfg))
         tune_run.tune_candidate(out, s, BenchSettings.with_defaults(), store,
-                                ["topology=1p1d_cpu"], con, "[1/4]")
+                                ["model=tiny_llama", "topology=1p1d_cpu"], con, "[1/4]")
         assert out.error == "pdtopo launch failed (1): prefill_0 exited 2 times"
         assert out.search is None
         assert len(launches) == 1  # the rerun skips it: its launch.json has the error

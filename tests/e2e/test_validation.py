@@ -21,7 +21,9 @@ def free_ports() -> list[str]:
 
 def launch_fails(tmp_path: Path, capsys, free_ports, *overrides: str) -> str:
     run = tmp_path / "run"
-    code = main(["launch", "--detach", f"hydra.run.dir={run}", *free_ports, *overrides])
+    # the tiny model: the port check comes after the model pre-flight (the default fetches)
+    code = main(["launch", "--detach", f"hydra.run.dir={run}", "model=tiny_llama", *free_ports,
+                 *overrides])
     err = capsys.readouterr().err
     assert code == 2, err
     assert not run.exists(), "a run dir was written for an invalid topology"

@@ -1,5 +1,6 @@
 """Values many tests share: the repository's paths, the model overrides of the process tests
-and the tiny server the API tests start, greedy sampling parameters."""
+(the tiny random model, named: the default model is SmolLM2), the tiny server the API tests
+start, greedy sampling parameters."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = REPO_ROOT / "tests" / "golden"
 
-TWO_LAYERS = ["model.num_layers=2"]  # the default tiny model cut to 2 layers (fast compiles)
-ONE_LAYER = ["model.num_layers=1"]
+# the tiny random model (conf/model/tiny_llama.yaml; not the default model, SmolLM2) cut to 2
+# layers or 1: fast compiles
+TINY_MODEL = "model=tiny_llama"
+TWO_LAYERS = [TINY_MODEL, "model.num_layers=2"]
+ONE_LAYER = [TINY_MODEL, "model.num_layers=1"]
 
 # the colocated server of the API tests (tests.support.api_server): one layer, small pool
 TINY_OVERRIDES = [

@@ -34,9 +34,23 @@ deployment_overrides = port_overrides  # a whole deployment inside that block
 run_pdtopo = run_cli                   # `pdtopo ARGS` in a subprocess
 
 
+def require_model(overrides: Sequence[str], what: str) -> None:
+    """Tests name the model they serve (`tests.support.constants.TINY_MODEL`, model=tiny_llama,
+    where speed matters): the default model, SmolLM2, is a 93 MB download and a 30-layer
+    compile that a test leaving it out would pay for without saying so."""
+    if not any(str(o).startswith("model=") for o in overrides):
+        raise ValueError(f"{what}: no model=NAME among the overrides {list(overrides)}; name "
+                         "one (model=tiny_llama for the tiny random model)")
+
+
 class Deployment(DetachedDeployment):
     """A deployment launched with `pdtopo launch --detach` into `run_dir`, with what tests
-    inspect: processes, URLs, pids, logs, a leak check after stop."""
+    inspect: processes, URLs, pids, logs, a leak check after stop. The overrides name the
+    model (`require_model`)."""
+
+    def __init__(self, run_dir: Path, overrides: Sequence[str]):
+        require_model(overrides, "Deployment")
+        super().__init__(run_dir, overrides)
 
     def launch(self, timeout: float = 600) -> Deployment:
         super().launch(timeout)
@@ -110,12 +124,15 @@ class ColocatedServer:
     stopped and the error carries the log tail. `stop()` sends SIGTERM to the process group
     (SIGKILL after `timeout`) and returns the exit code; `stop_and_check()` also requires exit
     code 0 (SIGTERM is a graceful shutdown). As a context manager: start, then stop, and with
-    `check_exit=True` check the exit code when the body did not raise."""
+    `check_exit=True` check the exit code when the body did not raise. The direct form's
+    overrides name the model (`require_model`)."""
 
     def __init__(self, port: int | None = None, overrides: Sequence[str] = (),
                  log_path: Path | None = None, *, run_dir: Path | None = None,
                  process: str = "colocated_0", env: Mapping[str, str] | None = None,
                  check_exit: bool = False):
+        if run_dir is None:
+            require_model(overrides, "ColocatedServer")
         self.port = port if port is not None else port_block(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.overrides = list(overrides)

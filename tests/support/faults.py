@@ -32,6 +32,7 @@ TTL_S = 3
 FAULT_OVERRIDES = [
     # a P slow enough to queue: 700-token prompts prefill in 64-token steps (the fault tests
     # kill processes while requests wait for prefill, for a pull and in decode)
+    "model=tiny_llama",
     "model.num_layers=4",
     "engine.max_prefill_tokens=64",
     "engine.num_pages=256",

@@ -68,7 +68,8 @@ class FakeRunner:
 def make_ctx(**engine):
     eng = {"max_model_len": 64, "max_prefill_tokens": 32, "max_running_requests": 4,
            "seed": 0, "served_model_name": None, **engine}
-    cfg = OmegaConf.merge(compose_config([]), {"engine": eng, "model": {"name": "fake"}})
+    cfg = OmegaConf.merge(compose_config(["model=tiny_llama"]),
+                          {"engine": eng, "model": {"name": "fake"}})
     return direct_process_context(cfg)
 
 

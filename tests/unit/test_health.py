@@ -90,7 +90,7 @@ def test_unreachable_router_is_not_ready():
 
 
 def _plan():
-    return expand_plan(compose_config(["topology=colocated_cpu"]), cpus=[0])
+    return expand_plan(compose_config(["model=tiny_llama", "topology=colocated_cpu"]), cpus=[0])
 
 
 def _wait(sequence, timeout_s=180.0):
@@ -181,7 +181,7 @@ def test_healthy_servers_are_announced_to_the_router_until_it_takes_them():
     """A P or D leader is handed to `announce` from the first poll it is healthy on, again
     at every poll while that fails (router not answering), and never once it succeeded; the
     bootstrap server and the proxy are never announced."""
-    plan = expand_plan(compose_config(["topology=1p1d_cpu"]), cpus=[0, 1])
+    plan = expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_cpu"]), cpus=[0, 1])
     names = [p.name for p in plan.start_order()]
     assert {"prefill_0", "decode_0", "bootstrap", "proxy"} <= set(names)
     poll = iter(range(100))
@@ -221,7 +221,7 @@ def test_healthy_servers_are_announced_to_the_router_until_it_takes_them():
 
 def test_the_announcer_adds_an_unlisted_worker_once_and_waits_for_a_silent_router(router):
     url, state = router
-    plan = expand_plan(compose_config(["topology=1p1d_cpu"]), cpus=[0, 1])
+    plan = expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_cpu"]), cpus=[0, 1])
     p = next(x for x in plan.processes if x.role == "prefill")
     d = next(x for x in plan.processes if x.role == "decode")
     announce = WorkerAnnouncer(RouterAdmin(url))

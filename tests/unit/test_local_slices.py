@@ -47,7 +47,7 @@ def test_layout_needs_both_keys_and_enough_devices():
 
 
 def test_local_cpu_plan_is_one_program_over_all_chips():
-    plan = expand_plan(compose_config(["topology=local_cpu"]))
+    plan = expand_plan(compose_config(["model=tiny_llama", "topology=local_cpu"]))
     (proc,) = plan.processes
     assert plan.mode == "local" and plan.proxy_url is None and plan.bootstrap_url is None
     assert proc.name == "local_0" and proc.role == "local"
@@ -57,14 +57,14 @@ def test_local_cpu_plan_is_one_program_over_all_chips():
 
 
 def test_local_plan_rejects_more_chips_than_the_accelerator():
-    cfg = compose_config(["topology=local_cpu", "topology.decode_slices=[4,2]"])
+    cfg = compose_config(["model=tiny_llama", "topology=local_cpu", "topology.decode_slices=[4,2]"])
     with pytest.raises(TopologyError) as err:
         expand_plan(cfg)
     assert err.value.key == "topology.decode_slices"
 
 
 def test_local_plan_rejects_bad_slice_syntax():
-    cfg = compose_config(["topology=local_cpu", "topology.prefill_slices=2y2"])
+    cfg = compose_config(["model=tiny_llama", "topology=local_cpu", "topology.prefill_slices=2y2"])
     with pytest.raises(TopologyError) as err:
         expand_plan(cfg)
     assert err.value.key == "topology.prefill_slices"

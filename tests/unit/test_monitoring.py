@@ -15,8 +15,8 @@ from pdtopo.launcher.render.monitoring import render_dashboard, render_prometheu
 
 
 def _plan(*overrides):
-    return expand_plan(compose_config(list(overrides)), run_dir="/run", python="py",
-                       cpus=[0, 1])
+    return expand_plan(compose_config(["model=tiny_llama", *overrides]), run_dir="/run",
+                       python="py", cpus=[0, 1])
 
 
 def test_prometheus_config_scrapes_every_server_and_the_router():

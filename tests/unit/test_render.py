@@ -17,8 +17,8 @@ from pdtopo.launcher.render.supervisord import (
 
 
 def rendered(run_dir="/runs/r1", *overrides, cpus=None, settings=ProgramSettings()):
-    plan = expand_plan(compose_config(list(overrides)), run_dir=run_dir, python="/py",
-                       cpus=cpus)
+    plan = expand_plan(compose_config(["model=tiny_llama", *overrides]), run_dir=run_dir,
+                       python="/py", cpus=cpus)
     text = render_supervisord(plan, run_dir=run_dir, token="tok123", workdir="/work",
                               settings=settings)
     parser = configparser.RawConfigParser()

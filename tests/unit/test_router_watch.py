@@ -30,8 +30,8 @@ def test_dead_program_events():
 
 
 def test_leader_of_counts_p_d_leaders_only():
-    plan = expand_plan(compose_config(["topology=1p1d_cpu_mp"]), run_dir="R", python="p",
-                       cpus=[0, 1])
+    plan = expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_cpu_mp"]), run_dir="R",
+                       python="p", cpus=[0, 1])
     leaders = [p for p in plan.processes if p.role in ("prefill", "decode") and p.leader]
     followers = [p for p in plan.processes if p.role in ("prefill", "decode") and not p.leader]
     assert leaders and followers
@@ -74,8 +74,8 @@ class FakeRouter:
 
 @pytest.fixture
 def setup(tmp_path: Path, monkeypatch):
-    plan = expand_plan(compose_config(["topology=2p2d_cpu"]), run_dir=str(tmp_path),
-                       python="p", cpus=[0, 1])
+    plan = expand_plan(compose_config(["model=tiny_llama", "topology=2p2d_cpu"]),
+                       run_dir=str(tmp_path), python="p", cpus=[0, 1])
     (tmp_path / "plan.json").write_text(plan.to_json())
     servers = [p for p in plan.processes if p.role in ("prefill", "decode")]
     router = FakeRouter([p.url for p in servers])

@@ -24,7 +24,7 @@ def _scale(cfg, plan, counts, **kw):
 
 @pytest.fixture
 def cpu6():
-    cfg = compose_config(["topology=2p2d_cpu", "topology.accelerator=cpu-6"])
+    cfg = compose_config(["model=tiny_llama", "topology=2p2d_cpu", "topology.accelerator=cpu-6"])
     return cfg, _plan(cfg)
 
 
@@ -84,24 +84,24 @@ def test_scale_skips_ports_in_use_and_refuses_without_chips(cpu6):
     with pytest.raises(TopologyError) as exc:
         scaled_config(cfg, plan, {"prefill": 4, "decode": 3})
     assert exc.value.key == "topology.decode.instances" and "no 1 free chips" in str(exc.value)
-    full = compose_config(["topology=2p2d_cpu"])  # cpu-4: all four chips are in use
+    full = compose_config(["model=tiny_llama", "topology=2p2d_cpu"])  # cpu-4: all four chips used
     with pytest.raises(TopologyError, match="bigger topology.accelerator"):
         scaled_config(full, _plan(full), {"prefill": 3})
 
 
 def test_scale_refusals():
-    mp = compose_config(["topology=1p1d_cpu_mp"])
+    mp = compose_config(["model=tiny_llama", "topology=1p1d_cpu_mp"])
     with pytest.raises(TopologyError) as exc:
         scaled_config(mp, _plan(mp), {"prefill": 2})
     assert exc.value.key == "topology.prefill.processes_per_instance"
-    col = compose_config(["topology=colocated_cpu"])
+    col = compose_config(["model=tiny_llama", "topology=colocated_cpu"])
     with pytest.raises(TopologyError) as exc:
         scaled_config(col, _plan(col), {"prefill": 2})
     assert exc.value.key == "topology.mode"
 
 
 def test_tpu_scale_keeps_tpu_process_ports():
-    cfg = compose_config(["topology=2p2d"])
+    cfg = compose_config(["model=tiny_llama", "topology=2p2d"])
     plan = _plan(cfg)
     small_cfg, small = _scale(cfg, plan, {"prefill": 1})
     grown_cfg, grown = _scale(small_cfg, small, {"prefill": 2})

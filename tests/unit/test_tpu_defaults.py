@@ -29,10 +29,10 @@ def test_default_config_is_auto():
 
 def test_p_and_d_compare_resolved_kv_dtypes():
     # on a TPU a bfloat16 P pairs with an auto D (bfloat16 there) ...
-    expand_plan(compose_config(["topology=1p1d_v6e8",
+    expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_v6e8",
                                 "+topology.prefill.engine.kv_dtype=bfloat16"]))
     # ... and a float32 one does not
     with pytest.raises(TopologyError, match="prefill kv_dtype='float32' but decode "
                                             "kv_dtype='bfloat16'"):
-        expand_plan(compose_config(["topology=1p1d_v6e8",
+        expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_v6e8",
                                     "+topology.prefill.engine.kv_dtype=float32"]))

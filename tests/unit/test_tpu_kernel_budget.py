@@ -26,7 +26,7 @@ def test_vmem_of_an_8b_layer_at_tp4():
 
 
 def _plan(*overrides):
-    return expand_plan(compose_config(["topology=1p1d_v6e8", *overrides]))
+    return expand_plan(compose_config(["model=tiny_llama", "topology=1p1d_v6e8", *overrides]))
 
 
 def test_plan_refuses_page_tables_over_smem():

@@ -5,7 +5,8 @@ and keeps the tensor data memory-mapped; `GgufFile.dequantize(name)` turns one t
 float32 NumPy array in Hugging Face's row-major order (`[out, in]` for a linear weight), so
 a conversion holds about one tensor at a time. Quantization types the converter accepts are
 `SUPPORTED_TYPES`; any other is refused by name before anything is written. The `gguf` package
-is the optional extra `pdtopo[gguf]`: a missing one is reported with the command to install it.
+is a dependency of pdtopo (the default model, SmolLM2, is a GGUF file), imported on first use; an
+install that lacks it is told the command that adds it.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 
 def gguf_module() -> Any:
     try:
-        import gguf  # deferred: an optional extra (pdtopo[gguf]), needed only for GGUF files
+        import gguf  # deferred: only GGUF files need it (random-init models never import it)
     except ImportError as e:
-        raise ImportError("reading a GGUF file needs the `gguf` package: "
-                          "pip install 'pdtopo[gguf]'") from e
+        raise ImportError("reading a GGUF file needs the `gguf` package, a dependency of "
+                          "pdtopo that this install lacks: pip install 'gguf>=0.17'") from e
     return gguf
 
 
