@@ -25,11 +25,14 @@ SMALL = ["model=tiny_llama", "model.num_layers=2",
 
 def test_crash_loop_ends_the_launch_with_the_programs_error(tmp_path):
     """kv_memory_fraction needs device memory statistics, which the CPU backend lacks: the
-    real server fails after loading JAX (past startsecs=2), every time it is restarted."""
+    real server fails after loading JAX, every time it is restarted. It gets that far in
+    about 2 s here, so startsecs is 1: each run counts as started (past startsecs) and the
+    launch must end at the second exit, not wait for supervisord's FATAL."""
     run = tmp_path / "run"
     started = time.monotonic()
     res = run_pdtopo(["launch", "topology=colocated_cpu", *SMALL, "engine.kv_memory_fraction=0.5",
-                      "launcher.health_timeout_s=180", *deployment_overrides(port_block(40)),
+                      "launcher.health_timeout_s=180", "launcher.startsecs=1",
+                      *deployment_overrides(port_block(40)),
                       f"hydra.run.dir={run}"], timeout=240)
     took = time.monotonic() - started
     out = res.stdout + res.stderr
