@@ -15,9 +15,9 @@ Medians over `reps` after one warm-up per size. The peer is this file with --ser
 
 --hetero measures only the reshard instead: a tp=1 D (this process) takes the same KV bytes from
 a tp=1 P (registered as is, scattered as is: the baseline) and from a tp=2 P (one piece per P
-shard, written into head ranges of the pool: `pdtopo.runtime.disagg.reshard_arrays`,
-`jax_transfer.scatter_pieces`), interleaved, timed from the pull's start until the pages are in
-D's pool; goal >= 0.8x of the baseline. The peers are this file with --serve-kv TP.
+shard, written into head ranges of the pool: `pdtopo.runtime.disagg.reshard.arrays`,
+`pdtopo.runtime.disagg.transport.resharding.scatter_pieces`), interleaved, timed from the
+pull's start until the pages are in D's pool; goal >= 0.8x of the baseline. The peers are this file with --serve-kv TP.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 def serve(sockets: int, transfer_size_mb: float, raw_buffers: str) -> None:
     import jax
 
-    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+    from pdtopo.runtime.disagg.transport.transfer_engine import JaxTransferKVEngine
 
     engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=transfer_size_mb,
                                  raw_buffers=_flag(raw_buffers))
@@ -87,7 +87,7 @@ def serve(sockets: int, transfer_size_mb: float, raw_buffers: str) -> None:
 def bench_pull(sizes_mb, chunk_mb, reps, sockets, transfer_size_mb, raw_buffers) -> list[dict]:
     import jax
 
-    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+    from pdtopo.runtime.disagg.transport.transfer_engine import JaxTransferKVEngine
 
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
@@ -166,9 +166,9 @@ def serve_kv(tp: int, sockets: int, transfer_size_mb: float, raw_buffers: str) -
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces, same_layout
-    from pdtopo.runtime.disagg.reshard_arrays import register_parts
-    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+    from pdtopo.runtime.disagg.reshard.arrays import register_parts
+    from pdtopo.runtime.disagg.reshard.layout import KVShardLayout, plan_pieces, same_layout
+    from pdtopo.runtime.disagg.transport.transfer_engine import JaxTransferKVEngine
 
     engine = JaxTransferKVEngine(transfer_sockets=sockets, transfer_size_mb=transfer_size_mb,
                                  raw_buffers=_flag(raw_buffers))
@@ -206,11 +206,11 @@ def bench_hetero(sizes_mb, reps, sockets, transfer_size_mb, raw_buffers) -> list
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from pdtopo.kernels import insert_kv_chunks
-    from pdtopo.runtime.disagg.base import PoolTransferSpec
-    from pdtopo.runtime.disagg.jax_transfer import scatter_pieces
-    from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces
-    from pdtopo.runtime.disagg.reshard_arrays import piece_specs, pull_parts
-    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+    from pdtopo.runtime.disagg.reshard.arrays import piece_specs, pull_parts
+    from pdtopo.runtime.disagg.reshard.layout import KVShardLayout, plan_pieces
+    from pdtopo.runtime.disagg.transport.base import PoolTransferSpec
+    from pdtopo.runtime.disagg.transport.resharding import scatter_pieces
+    from pdtopo.runtime.disagg.transport.transfer_engine import JaxTransferKVEngine
 
     peers = {}
     for tp in (1, 2):

@@ -123,7 +123,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo,
 
 
 # the stages of a PD request's time to first token, in order (pdtopo/runtime/disagg/
-# pd_timeline.py), then what the client waited beyond D's own TTFT
+# observability.py), then what the client waited beyond D's own TTFT
 BREAKDOWN = ("p_queue", "p_prefill", "p_send", "transit", "d_pull_queue", "d_transfer",
              "d_scatter", "d_first_token", "d_ttft", "proxy_network")
 

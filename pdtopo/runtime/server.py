@@ -29,8 +29,8 @@ from pdtopo.logs import configure_logging
 from pdtopo.runtime.api.app import create_app
 from pdtopo.runtime.api.http_probe import HttpProtocol
 from pdtopo.runtime.api.state import ServerState
-from pdtopo.runtime.compilation_cache import enable_compilation_cache
 from pdtopo.runtime.distributed import start_process
+from pdtopo.runtime.engine.compilation_cache import enable_compilation_cache
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.settings import ProcessContext, direct_process_context, load_process_context
 

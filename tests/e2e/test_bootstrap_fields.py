@@ -23,11 +23,11 @@ import pytest
 from pydantic import ValidationError
 
 from pdtopo.runtime.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from pdtopo.runtime.disagg import messages as m
-from pdtopo.runtime.disagg import side_channel as sc
-from pdtopo.runtime.disagg.peers import PeerDirectory
-from pdtopo.runtime.disagg.resolve import HostResolver
-from pdtopo.runtime.disagg.side_channel import SideChannel
+from pdtopo.runtime.disagg.transport import messages as m
+from pdtopo.runtime.disagg.transport import side_channel as sc
+from pdtopo.runtime.disagg.transport.peers import PeerDirectory
+from pdtopo.runtime.disagg.transport.resolve import HostResolver
+from pdtopo.runtime.disagg.transport.side_channel import SideChannel
 from pdtopo.runtime.engine.request import InvalidRequest, check_bootstrap_fields
 
 BAD = [

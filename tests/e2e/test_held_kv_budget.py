@@ -24,8 +24,8 @@ from pdtopo.kernels import select_from_kv_caches
 from pdtopo.kernels.runs import bucket_size
 from pdtopo.ports import free_port
 from pdtopo.runtime.api.drain_routes import in_flight
-from pdtopo.runtime.disagg import messages as m
-from pdtopo.runtime.disagg.side_channel import SideChannel
+from pdtopo.runtime.disagg.transport import messages as m
+from pdtopo.runtime.disagg.transport.side_channel import SideChannel
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner, tightest_memory
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams, new_rid

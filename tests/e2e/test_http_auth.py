@@ -28,8 +28,8 @@ from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.plan.expand import expand_plan
 from pdtopo.launcher.programs.nodelay_exec import inner_command
 from pdtopo.launcher.render.run_dir import new_token, write_run_dir
+from pdtopo.runtime.api.http_auth import HttpAuthMiddleware, HttpGuard
 from pdtopo.runtime.distributed.health import HealthServer
-from pdtopo.runtime.http_auth import HttpAuthMiddleware, HttpGuard
 
 TOKEN = "deployment-token-0123456789abcdef"
 

@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from pdtopo.ports import free_port
-from pdtopo.runtime.disagg.base import KVTransferError
-from pdtopo.runtime.disagg.curve import deployment_keys
-from pdtopo.runtime.disagg.kvpoll import KVPoll
+from pdtopo.runtime.disagg.transport.base import KVTransferError
+from pdtopo.runtime.disagg.transport.curve import deployment_keys
+from pdtopo.runtime.disagg.transport.kvpoll import KVPoll
 from pdtopo.runtime.distributed.cluster import ClusterConfigError, ClusterSpec
 from pdtopo.runtime.distributed.control import ControlClient, ControlServer, lockstep_curve
 from pdtopo.runtime.distributed.leader import LeaderMirror, LeaderRunner, _PullGroup

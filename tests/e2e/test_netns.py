@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pdtopo.runtime.disagg.curve import deployment_keys
+from pdtopo.runtime.disagg.transport.curve import deployment_keys
 from tests.support.ci import missing, require_tool
 from tests.support.constants import ONE_LAYER, greedy
 from tests.support.e2e import REPO_ROOT, ColocatedServer, generate, port_block, processes_of_run

@@ -202,8 +202,8 @@ def test_decode_admits_no_more_than_max_running(cluster):
 def test_a_room_d_gives_up_during_prefill_fails_alone(tmp_path):
     """D fails a room (its client left) while P is prefilling it: P ends that request with
     D's reason and the other requests of the same prefill batch go on (no engine error)."""
-    from pdtopo.runtime.disagg import messages as m
-    from pdtopo.runtime.disagg.side_channel import SideChannel
+    from pdtopo.runtime.disagg.transport import messages as m
+    from pdtopo.runtime.disagg.transport.side_channel import SideChannel
 
     cfg = compose_config(OVERRIDES)
     p = make_scheduler(_ctx(cfg, "prefill"), ModelRunner(cfg.model, cfg.engine, build_mesh(1)),

@@ -18,7 +18,7 @@ import pytest
 
 from pdtopo.bench.stats import BREAKDOWN
 from pdtopo.ports import free_port
-from pdtopo.runtime.disagg.pd_timeline import D_STAGES
+from pdtopo.runtime.disagg.observability import D_STAGES
 from tests.support.ci import require_tool
 from tests.support.constants import TWO_LAYERS
 from tests.support.e2e import (

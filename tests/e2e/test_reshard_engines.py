@@ -15,7 +15,7 @@ import pytest
 
 from pdtopo.config.compose import compose_config
 from pdtopo.ports import free_port
-from pdtopo.runtime.disagg.base import wire_rows
+from pdtopo.runtime.disagg.transport.base import wire_rows
 from pdtopo.runtime.engine.mesh import build_mesh
 from pdtopo.runtime.engine.model_runner import ModelRunner
 from pdtopo.runtime.model.tokenizer import load_tokenizer

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pdtopo.ports import free_port
-from pdtopo.runtime.disagg.base import wire_rows
+from pdtopo.runtime.disagg.transport.base import wire_rows
 from tests.support.kv_peer import PeerProcess, fill_values
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,8 @@ from __future__ import annotations
 import random
 
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
-from pdtopo.runtime.engine.scheduler import Scheduler, token_usage
+from pdtopo.runtime.engine.scheduler import Scheduler
+from pdtopo.runtime.engine.stats import token_usage
 from tests.support.e2e import baseline_problems
 from tests.support.scheduler_fakes import (
     FakeRunner,

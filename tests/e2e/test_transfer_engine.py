@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from pdtopo.runtime.disagg.base import (
+from pdtopo.runtime.disagg.transport.base import (
     KVArgs,
     KVTransferError,
     PackedMeta,
@@ -20,9 +20,9 @@ from pdtopo.runtime.disagg.base import (
     SpecMismatchError,
     check_packed_meta,
 )
-from pdtopo.runtime.disagg.faults import InjectedTransferFault
-from pdtopo.runtime.disagg.kvpoll import KVPoll
-from pdtopo.runtime.disagg.transfer_engine import (
+from pdtopo.runtime.disagg.transport.faults import InjectedTransferFault
+from pdtopo.runtime.disagg.transport.kvpoll import KVPoll
+from pdtopo.runtime.disagg.transport.transfer_engine import (
     JaxTransferKVEngine,
     KVTransferTimeout,
     resolve_raw_buffers,

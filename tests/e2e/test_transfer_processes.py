@@ -158,7 +158,7 @@ def test_pull_on_a_cached_connection_to_a_dead_prefill_fails_at_once(peers):
 def test_listening_probe():
     import socket
 
-    from pdtopo.runtime.disagg.transfer_engine import _listening
+    from pdtopo.runtime.disagg.transport.transfer_engine import _listening
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen()

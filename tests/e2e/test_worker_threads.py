@@ -30,8 +30,8 @@ from pdtopo.config.compose import compose_config
 from pdtopo.ports import free_port
 from pdtopo.runtime.bootstrap.client import RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
-from pdtopo.runtime.disagg import messages as m
-from pdtopo.runtime.disagg.side_channel import SideChannel
+from pdtopo.runtime.disagg.transport import messages as m
+from pdtopo.runtime.disagg.transport.side_channel import SideChannel
 from pdtopo.runtime.distributed.control import ControlServer
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
 from pdtopo.runtime.engine.scheduler import Scheduler
@@ -127,7 +127,7 @@ def test_side_channel_io_thread_death_is_reported():
 def test_transfer_engine_sweep_thread_death_is_reported():
     import jax
 
-    from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+    from pdtopo.runtime.disagg.transport.transfer_engine import JaxTransferKVEngine
 
     crashes = Crashes()
     e = JaxTransferKVEngine(transfer_sockets=1, pull_workers=1, sweep_interval_s=0.05,

@@ -21,9 +21,9 @@ import time
 import httpx
 import zmq
 
-from pdtopo.runtime.disagg import messages as m
-from pdtopo.runtime.disagg.curve import deployment_keys
-from pdtopo.runtime.disagg.side_channel import SideChannel
+from pdtopo.runtime.disagg.transport import messages as m
+from pdtopo.runtime.disagg.transport.curve import deployment_keys
+from pdtopo.runtime.disagg.transport.side_channel import SideChannel
 
 
 def _http(method: str, url: str, headers: dict | None = None, json_body: dict | None = None

@@ -4,8 +4,8 @@ and tests/unit/test_pd_timeline.py."""
 
 from __future__ import annotations
 
-from pdtopo.runtime.disagg import messages as m
-from pdtopo.runtime.disagg.base import PackedMeta
+from pdtopo.runtime.disagg.transport import messages as m
+from pdtopo.runtime.disagg.transport.base import PackedMeta
 
 META = PackedMeta(name="main_kv", pool_type="main_kv", dtype="float32", shape=(3, 4, 2, 8),
                   num_entries=4, sharding={"kind": "named", "mesh": [["tp", 2]],

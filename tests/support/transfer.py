@@ -11,10 +11,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pdtopo.runtime.disagg.base import KVArgs, PoolTransferSpec
-from pdtopo.runtime.disagg.jax_transfer import JaxTransferKVManager
-from pdtopo.runtime.disagg.side_channel import SideChannel
-from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+from pdtopo.runtime.disagg.transport.base import KVArgs, PoolTransferSpec
+from pdtopo.runtime.disagg.transport.manager import JaxTransferKVManager
+from pdtopo.runtime.disagg.transport.side_channel import SideChannel
+from pdtopo.runtime.disagg.transport.transfer_engine import JaxTransferKVEngine
 
 SHAPE = (16, 4, 2, 8)
 

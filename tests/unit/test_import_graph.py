@@ -4,8 +4,11 @@ loop): no cycles between modules, nor between the top-level rooms; the engine kn
 disaggregation, local mode, HTTP or multi-process instances; the launcher uses no runtime
 internals and the benchmark package nothing of the launcher; the launcher's sub-packages import
 one way (plan <- render <- operate <- programs) and only the CLI imports the launch job;
-benchmarks use pdtopo, never tests/; and every function-level import is a dependency deferred on
-purpose, saying so in a `# deferred: why` comment on its line or the line above."""
+disaggregation's transport never imports its roles and its reshard imports transport at most;
+the runtime's top level keeps at most four modules; no module under pdtopo/ runs past 600
+lines, and a package's face (`__init__.py`) holds no code, only its docstring and re-exports;
+benchmarks use pdtopo, never tests/; and every function-level import is a dependency deferred
+on purpose, saying so in a `# deferred: why` comment on its line or the line above."""
 
 from __future__ import annotations
 
@@ -172,6 +175,44 @@ def test_launcher_top_level_keeps_at_most_three_modules():
                   and p.name != "__pycache__") == ["operate", "plan", "programs", "render"]
 
 
+DISAGG = "pdtopo.runtime.disagg"
+
+
+def _within(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+@pytest.mark.parametrize("room,may_import", [
+    # the transport never imports the roles (prefill, decode, mixin_base, held_budget,
+    # observability: whatever of disagg is outside transport/ and reshard/)
+    (f"{DISAGG}.transport", (f"{DISAGG}.transport", f"{DISAGG}.reshard")),
+    # reshard imports transport at most
+    (f"{DISAGG}.reshard", (f"{DISAGG}.reshard", f"{DISAGG}.transport")),
+])
+def test_disagg_rooms_import_only_what_they_may(room, may_import):
+    assert MODULES.get(room, Path()).name == "__init__.py", f"{room} is no package"
+    bad = [(mod, target) for mod, targets in GRAPH.items() if _within(mod, room)
+           for target in targets if _within(target, DISAGG)
+           and not any(_within(target, ok) for ok in may_import)]
+    assert bad == []
+
+
+def test_disagg_roles_sit_above_transport_and_reshard():
+    """The roles the transport may not import are there, and import it (the rule above is
+    not vacuous)."""
+    roles = sorted(m for m in MODULES if m.startswith(DISAGG + ".")
+                   and not any(_within(m, f"{DISAGG}.{r}") for r in ("transport", "reshard")))
+    assert {f"{DISAGG}.prefill", f"{DISAGG}.decode", f"{DISAGG}.mixin_base"} <= set(roles), roles
+    assert any(_within(t, f"{DISAGG}.transport") for t in GRAPH[f"{DISAGG}.mixin_base"])
+
+
+def test_runtime_top_level_keeps_at_most_four_modules():
+    top = sorted(p.name for p in (PACKAGE / "runtime").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 4, top
+    # conf/config.yaml's launcher.server_module and `python -m pdtopo.runtime.server` name it
+    assert "server.py" in top
+
+
 def test_type_checking_imports_are_edges(tmp_path):
     """An import only type checkers run still makes the loop: it is read like any other."""
     src = tmp_path / "mod.py"
@@ -216,3 +257,35 @@ def test_the_graph_sees_known_edges():
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
     assert _room("pdtopo.launcher.plan.expand") == "pdtopo.launcher"
     assert _room("pdtopo.cli") == "pdtopo.cli"
+
+
+MAX_LINES = 600  # past this a module holds two rooms' worth: split it (tests/ are excepted)
+
+
+def test_no_module_runs_past_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def _code_in(path: Path) -> list[str]:
+    """The functions and classes defined anywhere in `path` (nested ones and ones under `if`
+    or `try` included)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{n.name} (line {n.lineno})" for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+
+
+def test_package_faces_hold_no_code():
+    """A package's `__init__.py` is its face: a docstring and re-exports. A function or class
+    belongs in a module whose name says what it is (the face may re-export it)."""
+    bad = {str(p.relative_to(ROOT)): found for p in MODULES.values()
+           if p.name == "__init__.py" and (found := _code_in(p))}
+    assert bad == {}
+
+
+def test_the_face_rule_sees_code(tmp_path):
+    face = tmp_path / "__init__.py"
+    face.write_text('"""A face."""\nfrom os import path\n\ntry:\n    async def run():\n'
+                    '        pass\nexcept ImportError:\n    class Stub:\n        pass\n')
+    assert _code_in(face) == ["run (line 5)", "Stub (line 8)"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdtopo.runtime.disagg.kvpoll import InvalidKVTransition, KVPoll, KVPollState
+from pdtopo.runtime.disagg.transport.kvpoll import InvalidKVTransition, KVPoll, KVPollState
 
 
 def test_values_match_sglang():

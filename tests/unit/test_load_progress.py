@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from pdtopo.runtime.load_progress import LoadProgress, progress_text
+from pdtopo.runtime.api.load_progress import LoadProgress, progress_text
 
 
 def test_progress_text_of_each_load_step():

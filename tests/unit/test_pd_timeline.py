@@ -10,8 +10,8 @@ import pytest
 
 from pdtopo.bench.loadgen import RequestResult
 from pdtopo.bench.stats import BREAKDOWN, ttft_breakdown
-from pdtopo.runtime.disagg import messages as m
-from pdtopo.runtime.disagg.pd_timeline import D_STAGES, decode_timeline
+from pdtopo.runtime.disagg.observability import D_STAGES, decode_timeline
+from pdtopo.runtime.disagg.transport import messages as m
 from tests.support.side_channel_messages import READY
 
 

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pdtopo.runtime.disagg import messages as m
-from pdtopo.runtime.disagg.reshard import (
+from pdtopo.runtime.disagg.reshard.arrays import assemble, cut_pieces
+from pdtopo.runtime.disagg.reshard.layout import (
     KVShardLayout,
     Piece,
     instance_layouts,
@@ -21,7 +21,7 @@ from pdtopo.runtime.disagg.reshard import (
     reshard_problems,
     same_layout,
 )
-from pdtopo.runtime.disagg.reshard_arrays import assemble, cut_pieces
+from pdtopo.runtime.disagg.transport import messages as m
 from pdtopo.runtime.engine.pool_format import POOL_FORMAT
 
 
@@ -188,9 +188,9 @@ def test_cut_then_assemble_equals_the_layout_conversion(p_tp, p_pool, d_tp, d_po
 @pytest.mark.parametrize("skip", [0, 2])
 def test_scatter_pieces_writes_what_the_layout_conversion_gives(p_tp, p_pool, d_tp, d_pool,
                                                                 model, skip):
-    from pdtopo.runtime.disagg.base import PoolTransferSpec
-    from pdtopo.runtime.disagg.jax_transfer import scatter_pieces
-    from pdtopo.runtime.disagg.reshard_arrays import slot_offsets, zero_pieces
+    from pdtopo.runtime.disagg.reshard.arrays import slot_offsets, zero_pieces
+    from pdtopo.runtime.disagg.transport.base import PoolTransferSpec
+    from pdtopo.runtime.disagg.transport.resharding import scatter_pieces
 
     devices = jax.devices()
     p_layout, d_layout = lay(model, p_pool, p_tp), lay(model, d_pool, d_tp)

@@ -12,9 +12,9 @@ import time
 import pytest
 import zmq
 
-from pdtopo.runtime.disagg import messages as m
-from pdtopo.runtime.disagg.curve import deployment_keys, side_channel_curve
-from pdtopo.runtime.disagg.side_channel import SideChannel
+from pdtopo.runtime.disagg.transport import messages as m
+from pdtopo.runtime.disagg.transport.curve import deployment_keys, side_channel_curve
+from pdtopo.runtime.disagg.transport.side_channel import SideChannel
 from tests.support.side_channel_messages import META, READY
 
 
@@ -94,7 +94,7 @@ def test_bad_messages_dropped_listener_survives(pair, caplog):
            json.dumps({"v": 1, "type": "bogus", "room": 1}).encode(),
            m.encode(m.Done(room=555, ok=True)),            # unknown room for this peer
            m.encode(READY)]                                # a D-bound type sent to P
-    with caplog.at_level(logging.WARNING, logger="pdtopo.runtime.disagg.side_channel"):
+    with caplog.at_level(logging.WARNING, logger="pdtopo.runtime.disagg.transport.side_channel"):
         for b in bad:
             raw.send(b)
         raw.send_multipart([b"a", b"b"])                   # two payload frames
@@ -193,7 +193,7 @@ def _drain(q) -> list:
 def test_oversized_send_refused(pair, caplog):
     p, d = pair
     big = m.Failed(room=1, reason="x" * 5000)
-    with caplog.at_level(logging.ERROR, logger="pdtopo.runtime.disagg.side_channel"):
+    with caplog.at_level(logging.ERROR, logger="pdtopo.runtime.disagg.transport.side_channel"):
         d.send_to(p.address, big)
         deadline = time.monotonic() + 5
         while d.stats().get("send_errors", 0) < 1 and time.monotonic() < deadline:
@@ -382,7 +382,7 @@ def test_curve_round_trip_and_outsiders_never_reach_p(curve_pair):
 
 
 def test_a_failed_bind_leaves_nothing_open(curve_pair):
-    from pdtopo.runtime.disagg import curve as curve_mod
+    from pdtopo.runtime.disagg.transport import curve as curve_mod
     p, _d, keys = curve_pair
     ctx = zmq.Context.instance()
     users = curve_mod._authenticators[id(ctx)][1]

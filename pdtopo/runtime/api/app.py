@@ -9,7 +9,7 @@ route tables: `native_routes.router` (POST /generate, health, server/model info,
 middleware keeps). `BodyLimitMiddleware` (pdtopo/body_limit.py) answers 413 to a body over
 `server.max_body_bytes` before it is read. Outermost, `HttpAuthMiddleware` answers 401 to a
 caller without a credential where the server requires one (beyond loopback:
-pdtopo/runtime/http_auth.py). A handler validates its body, tokenizes it off the event loop
+pdtopo/runtime/api/http_auth.py). A handler validates its body, tokenizes it off the event loop
 (`ServerState.off_loop`: a long prompt takes seconds), submits `Req`s to the scheduler
 (`ServerState.submit`), and awaits their sinks or streams their outputs as SSE.
 """
@@ -21,8 +21,8 @@ from fastapi import FastAPI
 from pdtopo.body_limit import BodyLimitMiddleware
 from pdtopo.runtime.api import drain_routes, native_routes, openai_api
 from pdtopo.runtime.api.errors import install_error_handlers
+from pdtopo.runtime.api.http_auth import HttpAuthMiddleware, HttpGuard
 from pdtopo.runtime.api.state import ServerState
-from pdtopo.runtime.http_auth import HttpAuthMiddleware, HttpGuard
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -22,6 +22,7 @@ from typing import Any
 
 from pdtopo.config.settings import EngineSettings
 from pdtopo.model_config.architectures import ARCH_TRAITS
+from pdtopo.runtime.api.load_progress import LoadProgress
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.request import (
     AsyncSink,
@@ -32,7 +33,6 @@ from pdtopo.runtime.engine.request import (
     TokenLogprob,
     new_rid,
 )
-from pdtopo.runtime.load_progress import LoadProgress
 
 DISAGG_MODE = {"colocated": "null", "prefill": "prefill", "decode": "decode"}
 # prompts tokenized at once off the event loop (more wait in the pool's queue); bodies are

@@ -35,12 +35,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from pdtopo.runtime.disagg.base import KVTransferError
-from pdtopo.runtime.disagg.kvpoll import KVPoll
-from pdtopo.runtime.disagg.messages import prefix_digest
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
-from pdtopo.runtime.disagg.pd_timeline import decode_timeline
-from pdtopo.runtime.disagg.peers import PeerDirectory
+from pdtopo.runtime.disagg.observability import decode_timeline
+from pdtopo.runtime.disagg.transport.base import KVTransferError
+from pdtopo.runtime.disagg.transport.kvpoll import KVPoll
+from pdtopo.runtime.disagg.transport.messages import prefix_digest
+from pdtopo.runtime.disagg.transport.peers import PeerDirectory
 from pdtopo.runtime.engine.request import (
     FinishReason,
     InvalidRequest,

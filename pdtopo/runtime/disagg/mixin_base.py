@@ -16,15 +16,14 @@ from typing import Any
 from pdtopo.model_config.shapes import kv_replication
 from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
-from pdtopo.runtime.disagg.base import KVArgs, PoolTransferSpec
-from pdtopo.runtime.disagg.jax_transfer import JaxTransferKVManager
-from pdtopo.runtime.disagg.pd_metrics import PDMetrics
-from pdtopo.runtime.disagg.reshard import (
+from pdtopo.runtime.disagg.observability import PDMetrics
+from pdtopo.runtime.disagg.reshard.layout import (
     KVShardLayout,
     instance_layouts,
-    layout_problems,
     same_layout,
 )
+from pdtopo.runtime.disagg.transport.base import KVArgs, PoolTransferSpec
+from pdtopo.runtime.disagg.transport.manager import JaxTransferKVManager
 from pdtopo.runtime.worker_threads import server_fault
 
 log = logging.getLogger("pdtopo.disagg")
@@ -39,16 +38,6 @@ def model_identity(cfg) -> str:
     m = cfg.model
     weights = f"path={m.path}" if m.get("path") else f"seed={m.get('init_seed')}"
     return f"{m.name}|{m.architecture}|{weights}|{cfg.engine.dtype}"
-
-
-def compatibility_problems(mine: dict[str, Any], peer: dict[str, Any]) -> list[str]:
-    """Differences between this rank's registration and a peer's that make KV exchange unsafe."""
-    problems = []
-    for key in ("page_size", "kv_dtype", "model"):
-        if mine.get(key) != peer.get(key):
-            problems.append(f"{key}: this server has {mine.get(key)!r}, peer has {peer.get(key)!r}")
-    problems += layout_problems(mine.get("kv_layout") or {}, peer.get("kv_layout") or {})
-    return problems
 
 
 def _or_none(fn):

@@ -32,11 +32,11 @@ import logging
 import time
 from typing import Any
 
-from pdtopo.runtime.disagg.base import KVTransferError, wire_rows
 from pdtopo.runtime.disagg.held_budget import HeldKVBudget
-from pdtopo.runtime.disagg.kvpoll import KVPoll
-from pdtopo.runtime.disagg.messages import first_logprob_fields, prefix_digest
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
+from pdtopo.runtime.disagg.transport.base import KVTransferError, wire_rows
+from pdtopo.runtime.disagg.transport.kvpoll import KVPoll
+from pdtopo.runtime.disagg.transport.messages import first_logprob_fields, prefix_digest
 from pdtopo.runtime.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
 
 log = logging.getLogger("pdtopo.disagg.prefill")
@@ -55,7 +55,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
         # wait for D's `want` before registering the KV (holding the pages meanwhile) when it
         # says something the registration depends on: which pages D's prefix cache holds, or
         # D's KV layout where the plan has decode instances laid out unlike this one (their
-        # pieces are cut for that layout, reshard.py)
+        # pieces are cut for that layout, reshard/)
         self.decode_layouts = self.peer_layouts("decode")
         self.waits_for_decode_claim = bool(
             self.ctx.settings.disaggregation.decode_prefix_cache or self.decode_layouts)
@@ -113,7 +113,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationMixinBase):
     # ------------------------------------------------------------------ held-KV budget
     def held_kv_pages(self) -> int:
         """Pages of the packed copies announced for D's pull and not yet released (their
-        rows: the KV pages and the padding to the wire's bucket, base.wire_rows)."""
+        rows: the KV pages and the padding to the wire's bucket, transport.base.wire_rows)."""
         return sum(s.ready_msg.pools[0].rows for s in self._inflight
                    if s.ready_msg is not None and not s.last_state.terminal)
 

@@ -38,7 +38,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pdtopo.runtime.disagg.curve import (
+from pdtopo.runtime.disagg.transport.curve import (
     CurveKeys,
     admit_only,
     deployment_keys,
@@ -47,6 +47,7 @@ from pdtopo.runtime.disagg.curve import (
     secure_router,
     side_channel_curve,
 )
+from pdtopo.runtime.disagg.transport.zmq_source import source_fd
 from pdtopo.runtime.worker_threads import (
     NO_FAULT,
     CrashHandler,
@@ -54,7 +55,6 @@ from pdtopo.runtime.worker_threads import (
     WorkerThread,
     crash_process,
 )
-from pdtopo.runtime.zmq_source import source_fd
 
 log = logging.getLogger("pdtopo.distributed.control")
 

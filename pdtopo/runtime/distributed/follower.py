@@ -13,7 +13,7 @@ The loop executes the leader's commands in order (`pdtopo.runtime.distributed.le
     p_register gather the room's pages (this process's shards) and await_pull them under the
                leader's uuid on this process's transfer server; with a `target` D layout
                unlike this instance's, register this process's pieces for it instead
-               (disagg/reshard_arrays.register_parts)
+               (disagg/reshard/arrays.py register_parts)
     p_recut    D's want came after p_register: cut that registration for D's layout and
                register the pieces under the new uuid
     p_release  drop that registration
@@ -38,30 +38,30 @@ from typing import Any
 
 from pdtopo.config.pool_reserve import reserved_pages
 from pdtopo.kernels import insert_kv_chunks, select_from_kv_caches
+from pdtopo.runtime.api.http_auth import HttpGuard
 from pdtopo.runtime.bootstrap.client import BootstrapClient, RegistrationKeeper
 from pdtopo.runtime.bootstrap.protocol import Registration
-from pdtopo.runtime.compilation_cache import enable_compilation_cache
-from pdtopo.runtime.disagg.base import PoolTransferSpec, wire_rows
-from pdtopo.runtime.disagg.jax_transfer import scatter_pieces
 from pdtopo.runtime.disagg.mixin_base import model_identity
-from pdtopo.runtime.disagg.reshard import KVShardLayout, plan_pieces
-from pdtopo.runtime.disagg.reshard_arrays import (
+from pdtopo.runtime.disagg.reshard.arrays import (
     piece_specs,
     pieces_of_d_process,
     pull_parts,
     register_parts,
 )
-from pdtopo.runtime.disagg.transfer_engine import JaxTransferKVEngine
+from pdtopo.runtime.disagg.reshard.layout import KVShardLayout, plan_pieces
+from pdtopo.runtime.disagg.transport.base import PoolTransferSpec, wire_rows
+from pdtopo.runtime.disagg.transport.resharding import scatter_pieces
+from pdtopo.runtime.disagg.transport.transfer_engine import JaxTransferKVEngine
 from pdtopo.runtime.distributed.cluster import ClusterSpec
 from pdtopo.runtime.distributed.control import ControlClient, lockstep_curve
 from pdtopo.runtime.distributed.health import HealthServer
+from pdtopo.runtime.engine.compilation_cache import enable_compilation_cache
 from pdtopo.runtime.engine.mesh import build_mesh, local_process_index
 from pdtopo.runtime.engine.model_runner import (
     ModelRunner,
     SeqChunk,
     warmup_kinds,
 )
-from pdtopo.runtime.http_auth import HttpGuard
 
 log = logging.getLogger("pdtopo.distributed.follower")
 

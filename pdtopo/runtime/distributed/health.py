@@ -15,13 +15,13 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from pdtopo.runtime.http_auth import HttpGuard, unauthorized_body
+from pdtopo.runtime.api.http_auth import HttpGuard, unauthorized_body
 
 
 class HealthServer:
     def __init__(self, host: str, port: int, state_fn: Callable[[], dict[str, Any]],
                  guard: HttpGuard | None = None):
-        """`guard`: the credential `/pdtopo/state` asks for (pdtopo.runtime.http_auth)."""
+        """`guard`: the credential `/pdtopo/state` asks for (pdtopo.runtime.api.http_auth)."""
         self.status = "loading"
         self.error: str | None = None
         owner = self

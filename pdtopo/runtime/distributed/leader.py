@@ -7,12 +7,12 @@ every follower's hello and returns a `LeaderRunner`, which the scheduler uses li
     forward(chunks)  -> broadcast {"op": "forward", chunks} then run it here; every process
                         launches the same jitted step on its devices (the mesh spans them all),
                         so the step's collectives line up; sampling uses the local logits only
-    kv_mirror        -> `LeaderMirror`, which the KV manager (disagg/jax_transfer.py) calls so that
-                        each follower does the same pool operation on its own shards:
+    kv_mirror        -> `LeaderMirror`, which the KV manager (disagg/transport/manager.py)
+                        calls so that each follower does the same pool operation on its own shards:
         register(room, pages, uuid, expiry, target)
                                              P: gather + await_pull under the leader's uuid
                                              (with a D layout `target` unlike P's: cut and
-                                             register its pieces, reshard_arrays)
+                                             register its pieces, reshard/arrays.py)
         recut(room, uuid, expiry, target)    P: D's want came after the registration: cut
                                              the registered shards for D's layout instead
         release(room)                        P: drop the registration (done / failure)
@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any
 
-from pdtopo.runtime.disagg.base import KVTransferError
+from pdtopo.runtime.disagg.transport.base import KVTransferError
 from pdtopo.runtime.distributed.cluster import ClusterSpec
 from pdtopo.runtime.distributed.control import ControlServer, lockstep_curve
 from pdtopo.runtime.engine.request import FinishReason, ReqOutput

@@ -263,7 +263,7 @@ class ModelRunner:
             "tp": self.tp,
             # processes the mesh spans, and which one holds each shard along heads: equal
             # layouts pair D process r with P process r; others are resharded on the way
-            # (pdtopo.runtime.disagg.reshard)
+            # (pdtopo.runtime.disagg.reshard.layout)
             "num_processes": len(procs),
             "shard_processes": [procs.index(p) for p in order],
         }  # num_pages is left out on purpose: P and D pools may differ in size

@@ -279,7 +279,7 @@ class ReqOutput:
     finished: bool = False
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
-    timeline: dict[str, float] | None = None  # PD stages in ms (D: pd_timeline.py)
+    timeline: dict[str, float] | None = None  # PD stages in ms (D: disagg/observability.py)
     # one per new token when the request asked for logprobs (None: a token without one)
     new_logprobs: list[TokenLogprob | None] | None = None
 

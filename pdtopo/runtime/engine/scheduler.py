@@ -1,138 +1,76 @@
 """The continuous-batching scheduler: the one thread that owns the model runner, the KV pool
-(`runner.kv_caches`) and the page allocator.
+(`runner.kv_caches`) and the page allocator. This module holds the decisions (which requests
+get rows in a step, who is preempted, what a step's tokens do next) and the loop; the state
+they work on lives beside it:
 
-Data flow. HTTP handlers (asyncio) build validated `Req`s and call `submit(req)` / `abort(rid)`;
-both only put a message into the thread-safe `inbox`. The scheduler thread runs `event_loop()`,
-whose iteration is `step()`:
+    admission.py    requests in: the thread-safe inbox, checks, registration, the waiting
+                    queue, aborts (AdmissionMixin)
+    kv_pages.py     page accounting: the allocator and the prefix cache (KVPages, `pages`)
+    batch.py        step forming: one step's rows (ScheduledBatch), a request's next chunk
+    outputs.py      tokens out: landing, stop checks, outputs, a request's end (OutputMixin)
+    stats.py        the counters and the published snapshot (StatsMixin)
+    step_errors.py  a failed step: its requests end, or the whole engine (StepErrorsMixin)
+    overlap.py      steady decode: step N+1 dispatched before step N lands (OverlapMixin)
 
-    drain_inbox()            -> handle_new_request(req) / handle_abort(rid) / flush_cache
-    schedule()               -> with engine.mixed_steps, requests running and more prompt
-                                tokens waiting than one step's budget: schedule_mixed()
-                                (schedule_decode's rows, then
-                                schedule_prefill's chunks in the budget left); else
-                                schedule_prefill() (waiting queue, token budget
-                                engine.max_prefill_tokens, a new request starts after its
-                                longest cached prefix (match_prefix), admission by free
-                                pages, chunked when a prompt exceeds the budget), else
-                                schedule_decode() (every running request, growing page
-                                tables, preempting the newest requests when pages run out);
-                                the prefix cache gives back unreferenced pages first
-                                (ensure_free)
-    run_batch(batch)         -> runner.forward(chunks), Sampler, then per request
-                                on_prefill_finished(req, token) or process_new_token(req, token)
-                                (with engine.overlap_schedule a decode batch is launched instead
-                                and landed by the next step, which first dispatches its
-                                continuation: overlap.py)
-    publish_stats()          -> counters for /pdtopo/state, /get_load and Prometheus
-    idle_wait()              -> when there is nothing to run: block on the inbox briefly
+Data flow. Other threads only `submit(req)` / `abort(rid)` into the inbox. The scheduler thread
+runs `event_loop()`, whose iteration is `step()`:
 
-Outputs go to each request's sink (`ReqOutput`: new tokens; the finish reason at the end).
-A step that fails ends its own requests (`fail_batch`), or everything when it cost the engine
-its device state (a device error, the pool donated and lost: `step_error_is_fatal`): then
-`fail_engine` answers every request 503 and ends the thread, and with it the process
-(step_errors.py).
+    drain_inbox()     -> handle_new_request(req) / handle_abort(rid) / flush_cache
+    schedule()        -> schedule_mixed() (decode rows, then prompt chunks in the budget left)
+                         when engine.mixed_steps, requests run and more prompt tokens wait than
+                         one step's budget; else schedule_prefill() (the waiting queue in
+                         order, within engine.max_prefill_tokens: a new request starts after its
+                         longest cached prefix, is admitted by free pages, chunked when long),
+                         else schedule_decode() (every running request, page tables grown, the
+                         newest requests preempted when pages run out; the prefix cache gives
+                         back unreferenced pages first)
+    run_batch(batch)  -> runner.forward(chunks), Sampler, then per request
+                         on_prefill_finished(req, token) or process_new_token(req, token)
+                         (engine.overlap_schedule: a decode batch is launched instead and
+                         landed by the next step)
+    publish_stats()   -> the snapshot for /pdtopo/state, /get_load and Prometheus
+    idle_wait()       -> nothing to run: block on the inbox briefly
 
-Extension points for the PD mixins (override, call super() where it makes sense):
-- `handle_new_request(req)`: a validated request arrives (P/D may route it to their own queues);
-  `reject_if_invalid(req)` and `register_request(req)` are its two halves, for mixins to reuse.
-  A request refused before it is registered (never served, or its rid is live: a duplicate)
-  ends through `refuse_request(req, reason)`, which touches nothing keyed by its rid.
-- `on_prefill_finished(req, next_token)`: the prompt's KV is in the pool and the first output
-  token is sampled. Default: `process_new_token` then `add_to_running`. P sends KV + token instead.
-- `add_to_running(req)`: put a request whose prompt KV is in pages it owns (`req.page_ids`,
-  `req.num_computed == len(req.prompt_ids)`) and whose first output token is known into the
-  decode batch. D's path: call `process_new_token(req, first_token)` (it emits the token and
-  checks stop conditions; it returns True if the request finished) and then `add_to_running`.
-- `free_request(req)`: drop a request from the queues and release its pages (`release_kv`:
-  its full computed pages go into the prefix cache first when `keeps_kv(req)`).
-- `make_prefix_cache(eng)`: the engine's `PrefixCache` or None (D keeps none by default).
-- `finish_request(req, reason)`: finish with a `FinishReason` dict, free, emit the final output.
-- `may_start(req)`: whether `schedule_prefill` may start a waiting request now (P: its budget
-  of held KV copies); a refusal keeps it and those behind it waiting.
-- `has_work()`, `schedule()`, `step()`, `event_loop()`, `idle_wait()`: the loop itself; mixins
-  with their own queues poll them in `step()` and report pending work in `has_work()`.
-Helpers: `alloc_pages(n)`, `ensure_free(n)`, `pages_for(num_tokens)`, `make_chunk(...)`,
-`emit(req)`, `page_problems()` (the allocator's references against the cache and every live
-request's page table; docs/prefix-cache.md).
-Requests carry `bootstrap_host/port/room` untouched for the mixins.
+Extension points for the PD mixins (override, call super() where it makes sense), beside
+admission.py's (`handle_new_request`, `refuse_request`, ...) and outputs.py's (`finish_request`,
+`free_request`): `on_prefill_finished(req, token)` (the prompt's KV is in the pool and its first
+token sampled: by default `process_new_token`, then `add_to_running`; P sends KV + token
+instead), `add_to_running(req)` (D's path for a request whose prompt KV it pulled into pages it
+owns: `process_new_token(req, first_token)`, then this unless that finished it),
+`make_prefix_cache(eng)` (D keeps none by default), `may_start(req)` (P: its budget of held KV
+copies; a refusal keeps it and those behind it waiting), and the loop itself: `has_work()`,
+`schedule()`, `step()`, `event_loop()`, `idle_wait()` (mixins with their own queues poll them
+in `step()` and report pending work in `has_work()`). Helpers: `alloc_pages(n)`,
+`ensure_free(n)`, `pages_for(num_tokens)`, `make_chunk(...)`, `emit(req)`, `page_problems()`
+(docs/prefix-cache.md). Requests carry `bootstrap_host/port/room` untouched for the mixins.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import queue
-import random
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, NoReturn
 
+from pdtopo.runtime.engine.admission import STOP, AdmissionMixin
+from pdtopo.runtime.engine.batch import ScheduledBatch, decode_piece, prompt_piece, sampler_row
 from pdtopo.runtime.engine.host_kv import HostKVTier
+from pdtopo.runtime.engine.kv_pages import KVPages, keeps_kv
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.model_runner import SeqChunk
+from pdtopo.runtime.engine.outputs import OutputMixin
 from pdtopo.runtime.engine.overlap import OverlapMixin
 from pdtopo.runtime.engine.page_allocator import OutOfPages, PageAllocator
-from pdtopo.runtime.engine.penalties import PenaltyHistory
-from pdtopo.runtime.engine.prefix_cache import PrefixCache, reference_problems
-from pdtopo.runtime.engine.request import (
-    FinishReason,
-    Req,
-    ReqOutput,
-    ReqStatus,
-    TokenLogprob,
-)
-from pdtopo.runtime.engine.sampling import RowParams, Sampler, SampleResult, penalty_slots_for
-from pdtopo.runtime.engine.step_errors import (
-    EngineStateLost,
-    device_state_lost,
-    is_device_error,
-)
+from pdtopo.runtime.engine.prefix_cache import PrefixCache
+from pdtopo.runtime.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
+from pdtopo.runtime.engine.sampling import RowParams, Sampler, penalty_slots_for
+from pdtopo.runtime.engine.stats import StatsMixin
+from pdtopo.runtime.engine.step_errors import StepErrorsMixin
 from pdtopo.runtime.worker_threads import CrashHandler, WorkerThread, crash_process, server_fault
 
 log = logging.getLogger("pdtopo.scheduler")
 
-_STOP = object()
-EVICTABLE_REFRESH_S = 0.5  # how often a busy scheduler recounts the pages only its cache holds
-ANSWER_GRACE_S = 0.5  # after a fatal step error: time the HTTP layer gets to send the answers
 
-
-@dataclass
-class ScheduledBatch:
-    """One step's rows: `num_decode` decode rows (one token each) first, then prompt chunks."""
-
-    kind: str                                  # "prefill" | "decode" | "mixed"
-    reqs: list[Req]
-    chunks: list[Any]
-    completes: list[bool] = field(default_factory=list)  # per prompt chunk: the prompt's last?
-    num_decode: int = 0
-
-    @staticmethod
-    def mixed(decode: ScheduledBatch, prefill: ScheduledBatch) -> ScheduledBatch:
-        return ScheduledBatch("mixed", decode.reqs + prefill.reqs,
-                              decode.chunks + prefill.chunks, prefill.completes,
-                              num_decode=len(decode.reqs))
-
-
-def stop_window(stops: list[str]) -> int:
-    """How many trailing output tokens to decode to find any of `stops` ending in the newest
-    token: a string of L characters spans at most 4L tokens (a byte-level token may carry one
-    UTF-8 byte), plus a few so that the match never starts at the window's first token (where
-    a decoder may drop a leading space). Earlier matches would have stopped earlier steps."""
-    return 4 * max(len(s) for s in stops) + 4
-
-
-def token_usage(stats: dict[str, Any]) -> float:
-    """sglang's `token_usage`: the share of the pool requests hold. Pages only the prefix cache
-    holds do not count (they are free on demand): a P with a warm cache is not a busy P, and
-    routers that leave out workers above a usage ceiling must not see it as one."""
-    total = max(1, stats["total_pages"])
-    return max(0.0, (total - stats["free_pages"] - stats.get("evictable_pages", 0)) / total)
-
-
-class Scheduler(OverlapMixin):
+class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, OverlapMixin):
     """Continuous batching over a paged KV pool (see the module docstring for the hooks)."""
 
     role = "colocated"
@@ -145,6 +83,7 @@ class Scheduler(OverlapMixin):
         self.page_size = runner.page_size
         self.allocator = PageAllocator(runner.num_pages)
         self.prefix_cache = self.make_prefix_cache(eng)
+        self.pages = KVPages(self.allocator, self.prefix_cache, self.page_size)
         self.max_model_len = eng.max_model_len
         self.max_prefill_tokens = eng.max_prefill_tokens
         self.mixed_steps = bool(eng.mixed_steps)
@@ -157,25 +96,11 @@ class Scheduler(OverlapMixin):
         self.metrics = metrics or EngineMetrics(self.model_name, getattr(ctx, "role", self.role))
         self.eos_ids = set(int(t) for t in (tokenizer.eos_token_ids or []))
         self.sampler = Sampler(penalty_slots=penalty_slots_for(self.max_running))
-        self.inbox: queue.Queue = queue.Queue()
-        self.waiting: deque[Req] = deque()
+        self.init_admission(self.base_seed)  # inbox, waiting, reqs
         self.running: list[Req] = []
-        self.reqs: dict[str, Req] = {}
-        self._seed_rng = random.Random(self.base_seed)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stats_lock = threading.Lock()
-        self._stats: dict[str, Any] = {}
-        self.num_forward = 0
-        self.num_generated = 0
-        self.num_prefill_tokens = 0
-        self.num_mixed_steps = 0      # steps that carried decodes and prompt chunks together
-        self.num_overlapped_steps = 0  # steps dispatched before the previous one landed
-        self.num_preemptions = 0
-        self.num_cached_tokens = 0    # prompt tokens whose KV came from the prefix cache
-        self._page_check: tuple[int, list[str]] = (-1, [])  # (allocator version, problems)
-        self._tput_window: deque[tuple[float, int]] = deque()
-        self._evictable: tuple[float, int] = (-1e9, 0)  # (when counted, tree-only pages)
+        self.init_stats()  # counters, the published snapshot
         self.alive = True
         # the loop runs as a WorkerThread: an exception that escapes its own recovery (or an
         # injected `server.fault_inject_thread=scheduler`) calls on_crash, which by default
@@ -186,35 +111,7 @@ class Scheduler(OverlapMixin):
         self.step_fault_after = eng.fault_inject_step_error_after
         self.publish_stats()
 
-    # ------------------------------------------------------------------ thread-safe API
-    def submit(self, req: Req) -> None:
-        """Hand a validated request to the scheduler thread."""
-        self.inbox.put(("new", req))
-
-    def abort(self, rid: str, only: Req | None = None) -> None:
-        """Abort a request (client gone); its pages are freed on the scheduler thread.
-        `only`: abort the live request with this rid only if it is that object (the HTTP layer
-        passes its own request, so a refused duplicate's client cannot abort the original)."""
-        self.inbox.put(("abort", (rid, only)))
-
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> str | None:
-        """Why a request can never be served (None if it can). Reads constants only."""
-        if prompt_len <= 0:
-            return "the prompt is empty"
-        total = prompt_len + max_new_tokens
-        if total > self.max_model_len:
-            return (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
-                    f"exceeds the context length engine.max_model_len={self.max_model_len}")
-        pages = self.pages_for(total)
-        if pages > self.allocator.num_total:
-            return (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs "
-                    f"{pages} KV pages, the pool has {self.allocator.num_total}")
-        return None
-
-    def stats(self) -> dict[str, Any]:
-        with self._stats_lock:
-            return dict(self._stats)
-
+    # ------------------------------------------------------------------ the thread
     def start(self) -> None:
         self._thread = WorkerThread("scheduler", self.event_loop, self._thread_died)
         self._thread.start()
@@ -229,7 +126,7 @@ class Scheduler(OverlapMixin):
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
-        self.inbox.put((_STOP, None))
+        self.inbox.put((STOP, None))
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -274,46 +171,6 @@ class Scheduler(OverlapMixin):
         self.publish_stats()
         log.info("scheduler loop stopped")
 
-    def step_error_is_fatal(self, exc: BaseException) -> bool:
-        """Whether a step's exception leaves this engine unable to run another step: a device
-        error, or an array of its device state donated and not replaced (step_errors.py)."""
-        return is_device_error(exc) or device_state_lost(self.device_state())
-
-    def device_state(self) -> list[Any]:
-        """The device arrays that steps donate: the KV pool and the penalty tables."""
-        arrays = list(getattr(self.runner, "kv_caches", None) or [])
-        tables = self.sampler.tables
-        if tables is not None:
-            arrays += [tables.counts, tables.seen]
-        return arrays
-
-    def fail_engine(self, exc: BaseException) -> NoReturn:
-        """A step failed and took the engine's device state with it: /health 503 at once,
-        every request held answered with a retryable 503, a moment for the HTTP layer to send
-        those answers, then `EngineStateLost` ends this thread, and `on_crash` the process
-        (status 70; supervisord starts a fresh one)."""
-        self.alive = False
-        log.critical("engine step failed and its device state is lost (%s: %s); answering "
-                     "%d request(s) and ending the process", type(exc).__name__, exc,
-                     len(self.reqs))
-        reason = FinishReason.abort(f"engine error: {exc}; the server restarts (retry the "
-                                    "request)", 503)
-        answered = 0
-        for req in list(self.reqs.values()):
-            try:
-                self.finish_request(req, reason)
-                answered += 1
-            except Exception:  # noqa: BLE001 - the others still get theirs; the exit follows
-                log.exception("could not end %s", req.rid)
-        self.in_flight = None
-        try:
-            self.publish_stats()
-        except Exception:  # noqa: BLE001 - the exit follows
-            log.exception("could not publish the final stats")
-        if answered:
-            time.sleep(ANSWER_GRACE_S)
-        raise EngineStateLost(f"engine device state lost: {type(exc).__name__}: {exc}") from exc
-
     def step(self) -> None:
         self.drain_inbox()
         landing = self.in_flight is not None
@@ -335,119 +192,10 @@ class Scheduler(OverlapMixin):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.in_flight)
 
-    def idle_wait(self, timeout: float | None = None) -> None:
-        """Block until a message arrives (or `timeout`), and handle it."""
-        if timeout is None:
-            timeout = 0.005 if self.has_work() else 0.1
-        try:
-            msg = self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return
-        self.dispatch(msg)
-
-    def drain_inbox(self) -> None:
-        while True:
-            try:
-                msg = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            self.dispatch(msg)
-
-    def dispatch(self, msg: tuple[Any, Any]) -> None:
-        kind, payload = msg
-        if kind == "new":
-            self.handle_new_request(payload)
-        elif kind == "abort":
-            self.handle_abort(*payload)
-        elif kind == "flush_cache":
-            if payload.set_running_or_notify_cancel():
-                payload.set_result(self._flush_cache())
-        elif kind is _STOP:
-            self._stop.set()
-        else:
-            raise ValueError(f"unknown scheduler message {kind!r}")
-
     # ------------------------------------------------------------------ requests
-    def handle_new_request(self, req: Req) -> None:
-        if self.reject_if_invalid(req):
-            return
-        self.register_request(req)
-        self.waiting.append(req)
-
-    def reject_if_invalid(self, req: Req) -> bool:
-        """Refuse `req` with a 400 if it can never be served or reuses a live rid; the live
-        request with that rid is left untouched (`refuse_request`)."""
-        err = self.check_fits(len(req.prompt_ids), req.sampling.max_new_tokens)
-        if err is not None:
-            self.refuse_request(req, FinishReason.abort(err, 400))
-        elif req.rid in self.reqs:
-            self.refuse_request(req, FinishReason.duplicate(req.rid))
-        return req.finished
-
-    def refuse_request(self, req: Req, reason: dict[str, Any]) -> None:
-        """End a request this scheduler never admitted: its final output goes to its own sink
-        and nothing keyed by its rid is touched (a live request may carry the same rid). Its
-        pages, if a mixin gave it some before refusing, go back to the pool."""
-        req.finish_reason = reason
-        self.release_kv(req, keep=False)
-        req.status = ReqStatus.FINISHED
-        self.emit(req)
-        self.metrics.request_finished(reason.get("type", "unknown"))
-
-    def register_request(self, req: Req) -> None:
-        """Own an admitted request: settle its seed, mark it waiting, index it by rid."""
-        if req.sampling.seed is None:
-            req.sampling.seed = self.default_seed(req)
-        req.status = ReqStatus.WAITING
-        self.reqs[req.rid] = req
-
-    def default_seed(self, req: Req) -> int:
-        """Seed of a request that gave none: from the PD room when present (P and D agree)."""
-        if req.bootstrap_room is not None:
-            return (self.base_seed * 0x9E3779B97F4A7C15 + int(req.bootstrap_room)) % 2**63
-        return self._seed_rng.getrandbits(63)
-
-    def handle_abort(self, rid: str, only: Req | None = None) -> None:
-        req = self.reqs.get(rid)
-        if only is not None and req is not only:
-            return  # the request that asked is not the live one (a refused duplicate)
-        if req is not None and not req.finished:
-            log.info("aborting %s", req)
-            self.finish_request(req, FinishReason.abort("aborted by client", 499))
-
-    def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
-        req.finish_reason = reason
-        self.free_request(req)
-        req.status = ReqStatus.FINISHED
-        if self.reqs.get(req.rid) is req:  # never another request that reuses the rid
-            del self.reqs[req.rid]
-        self.emit(req)
-        self.metrics.e2e.observe(time.monotonic() - req.arrival_time)
-        self.metrics.request_finished(reason.get("type", "unknown"))
-
-    def free_request(self, req: Req) -> None:
-        """Drop a request from the queues and return its pages to the pool."""
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self.sampler.release(req.serial)
-        self.release_kv(req, keep=self.keeps_kv(req))
-
-    def emit(self, req: Req) -> None:
-        new = req.output_ids[req.num_emitted:]
-        if not new and not req.finished:
-            return
-        logprobs = (req.output_logprobs[req.num_emitted:len(req.output_ids)]
-                    if req.sampling.logprobs >= 0 else None)
-        req.num_emitted = len(req.output_ids)
-        req.sink.emit(ReqOutput(
-            rid=req.rid, new_token_ids=list(new), num_output_tokens=len(req.output_ids),
-            prompt_tokens=len(req.prompt_ids), finished=req.finished,
-            finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
-            timeline=req.timeline, new_logprobs=logprobs))
-
     def add_to_running(self, req: Req) -> None:
+        """Into the decode batch: a request whose prompt KV is in pages it owns
+        (`req.num_computed == len(req.prompt_ids)`) and whose first output token is known."""
         req.status = ReqStatus.RUNNING
         self.running.append(req)
 
@@ -455,142 +203,6 @@ class Scheduler(OverlapMixin):
                             logprob: TokenLogprob | None = None) -> None:
         if not self.process_new_token(req, next_token, logprob):
             self.add_to_running(req)
-
-    def process_new_token(self, req: Req, token: int, logprob: TokenLogprob | None = None) -> bool:
-        """Append a sampled token (and its logprob, when the request asked for them), emit it,
-        finish the request if a stop condition holds."""
-        now = time.monotonic()
-        req.output_ids.append(int(token))
-        if req.sampling.logprobs >= 0:
-            req.output_logprobs.append(logprob)
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.metrics.ttft.observe(now - req.arrival_time)
-        elif req.last_token_time is not None:
-            self.metrics.itl.observe(now - req.last_token_time)
-            self.metrics.tpot.observe(now - req.last_token_time)
-        req.last_token_time = now
-        self.num_generated += 1
-        self.metrics.generation_tokens.inc()
-        reason = self.check_stop(req)
-        if reason is not None:
-            self.finish_request(req, reason)
-            return True
-        self.emit(req)
-        return False
-
-    def check_stop(self, req: Req) -> dict[str, Any] | None:
-        sp = req.sampling
-        tok = req.output_ids[-1]
-        if len(req.output_ids) >= sp.max_new_tokens or req.seq_len >= self.max_model_len:
-            return FinishReason.length(len(req.output_ids))
-        if not sp.ignore_eos and tok in self.eos_ids:
-            return FinishReason.stop_token(tok)
-        if tok in sp.stop_token_ids:
-            return FinishReason.stop_token(tok)
-        if sp.stop:
-            text = self.tokenizer.decode(req.output_ids[-stop_window(sp.stop):])
-            for s in sp.stop:
-                if s in text:
-                    return FinishReason.stop_str(s)
-        return None
-
-    # ------------------------------------------------------------------ pages
-    def pages_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size)
-
-    def alloc_pages(self, n: int) -> list[int]:
-        self.ensure_free(n)
-        return self.allocator.alloc(n)
-
-    def ensure_free(self, n: int) -> bool:
-        """Whether `n` pages are free, after evicting unreferenced prefix-cache pages (LRU)
-        if too few were: the cache gives way before any request is preempted or waits."""
-        short = n - self.allocator.num_free
-        if short > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(short)
-        return self.allocator.num_free >= n
-
-    # ------------------------------------------------------------------ prefix cache
-    def make_prefix_cache(self, eng) -> PrefixCache | None:
-        """The engine's prefix cache (`engine.prefix_cache`), with a host tier of
-        `engine.host_kv_pages` pages when that is above 0; role mixins that keep none (D
-        without `disaggregation.decode_prefix_cache`) return None."""
-        if not eng.prefix_cache:
-            return None
-        host = HostKVTier(self.runner, eng.host_kv_pages) if eng.host_kv_pages else None
-        return PrefixCache(self.allocator, self.page_size, host)
-
-    @property
-    def host_tier(self) -> HostKVTier | None:
-        """The prefix cache's host tier, if it has one."""
-        return self.prefix_cache.host if self.prefix_cache is not None else None
-
-    def match_prefix(self, req: Req) -> None:
-        """Start a request that holds no KV at its longest cached prefix: full pages only, and
-        never its last token (the logits of the next token come from a forward pass)."""
-        if self.prefix_cache is None or req.page_ids:
-            return
-        pages = self.prefix_cache.match(req.all_ids, (req.seq_len - 1) // self.page_size)
-        req.page_ids = pages
-        req.num_computed = len(pages) * self.page_size
-        if not req.num_preemptions:  # what the client sees: the prompt's hit on arrival
-            req.cached_tokens = min(req.num_computed, len(req.prompt_ids))
-
-    def keeps_kv(self, req: Req) -> bool:
-        """Whether a request's computed pages go into the prefix cache when it lets them go:
-        when it finished normally or is preempted; never after an abort or a failure (its KV
-        may be incomplete or the engine may be broken)."""
-        reason = req.finish_reason
-        return reason is None or reason.get("type") in ("length", "stop")
-
-    def release_kv(self, req: Req, keep: bool) -> None:
-        """Give up a request's pages: offer its full computed pages to the prefix cache first
-        (`keep`), then drop the request's references (pages the cache or others hold stay)."""
-        if req.page_ids:
-            if keep and self.prefix_cache is not None:
-                self.prefix_cache.insert(req.all_ids, req.page_ids, req.num_computed)
-            self.allocator.free(req.page_ids)
-            req.page_ids = []
-        req.num_computed = 0
-
-    def page_problems(self) -> list[str]:
-        """Disagreements between the allocator's references and their holders (the prefix
-        cache and every live request's page table); empty when consistent."""
-        tables = [r.page_ids for r in self.reqs.values()]
-        if self.prefix_cache is not None:  # the tree's structure and its host tier too
-            return self.prefix_cache.problems(tables)
-        return reference_problems(self.allocator, None, tables)
-
-    def _idle_page_problems(self) -> list[str]:
-        version = self.allocator.version
-        if self._page_check[0] != version:
-            self._page_check = (version, self.page_problems()[:5])
-        return self._page_check[1]
-
-    def flush_cache(self) -> Future:
-        """Thread-safe: empty the prefix cache of every page no request holds (on the scheduler
-        thread); the future's result says what was freed and what is still held."""
-        fut: Future = Future()
-        self.inbox.put(("flush_cache", fut))
-        return fut
-
-    def flush_caches(self) -> list[Future]:
-        """The futures of every engine this object schedules (one here; see local mode)."""
-        return [self.flush_cache()]
-
-    def _flush_cache(self) -> dict[str, Any]:
-        cache = self.prefix_cache
-        host_pages = cache.num_host_pages if cache is not None else 0
-        freed = cache.flush() if cache is not None else 0
-        return {"prefix_cache": cache is not None, "flushed_pages": freed,
-                "flushed_host_pages": host_pages,
-                "tree_pages": cache.num_pages if cache is not None else 0,
-                "num_reqs": len(self.reqs), "free_pages": self.allocator.num_free,
-                "total_pages": self.allocator.num_total}
-
-    def make_chunk(self, token_ids: list[int], start_pos: int, page_ids: list[int]):
-        return SeqChunk(list(token_ids), int(start_pos), list(page_ids))
 
     def preempt(self, req: Req) -> None:
         """Free a request's pages and requeue it at the front; it is recomputed later."""
@@ -610,6 +222,44 @@ class Scheduler(OverlapMixin):
             if req.page_ids and req is not exclude:
                 return req
         return None
+
+    # ------------------------------------------------------------------ pages (kv_pages.py)
+    def make_prefix_cache(self, eng) -> PrefixCache | None:
+        """The engine's prefix cache (`engine.prefix_cache`), with a host tier of
+        `engine.host_kv_pages` pages when that is above 0; role mixins that keep none (D
+        without `disaggregation.decode_prefix_cache`) return None."""
+        if not eng.prefix_cache:
+            return None
+        host = HostKVTier(self.runner, eng.host_kv_pages) if eng.host_kv_pages else None
+        return PrefixCache(self.allocator, self.page_size, host)
+
+    def keeps_kv(self, req: Req) -> bool:
+        return keeps_kv(req)
+
+    @property
+    def host_tier(self) -> HostKVTier | None:
+        return self.pages.host
+
+    def pages_for(self, num_tokens: int) -> int:
+        return self.pages.pages_for(num_tokens)
+
+    def alloc_pages(self, n: int) -> list[int]:
+        return self.pages.alloc(n)
+
+    def ensure_free(self, n: int) -> bool:
+        return self.pages.ensure_free(n)
+
+    def match_prefix(self, req: Req) -> None:
+        self.pages.match(req)
+
+    def release_kv(self, req: Req, keep: bool) -> None:
+        self.pages.release(req, keep)
+
+    def page_problems(self) -> list[str]:
+        return self.pages.problems([r.page_ids for r in self.reqs.values()])
+
+    def make_chunk(self, token_ids: list[int], start_pos: int, page_ids: list[int]):
+        return SeqChunk(list(token_ids), int(start_pos), list(page_ids))
 
     # ------------------------------------------------------------------ batches
     def schedule(self) -> ScheduledBatch | None:
@@ -661,15 +311,12 @@ class Scheduler(OverlapMixin):
             if fresh and req.num_computed:  # tokens served by the cache (also on recompute)
                 self.num_cached_tokens += req.num_computed
                 self.metrics.cached_tokens.inc(req.num_computed)
-            remaining = req.seq_len - req.num_computed
-            n = min(remaining, budget)
-            tokens = req.all_ids[req.num_computed:req.num_computed + n]
+            tokens, complete = prompt_piece(req, budget)
             if req.prefill_start_time is None:
                 req.prefill_start_time = time.monotonic()
-            batch.reqs.append(req)
-            batch.chunks.append(self.make_chunk(tokens, req.num_computed, req.page_ids))
-            batch.completes.append(n == remaining)
-            budget -= n
+            batch.add_prompt(req, self.make_chunk(tokens, req.num_computed, req.page_ids),
+                             complete)
+            budget -= len(tokens)
         return batch if batch.reqs else None
 
     def awaits_leader(self, req: Req) -> bool:
@@ -711,28 +358,12 @@ class Scheduler(OverlapMixin):
             return None
         batch = ScheduledBatch("decode", list(self.running), [], num_decode=len(self.running))
         for req in batch.reqs:
-            tokens = req.all_ids[req.num_computed:]
-            batch.chunks.append(self.make_chunk(tokens, req.num_computed, req.page_ids))
+            batch.chunks.append(self.make_chunk(decode_piece(req), req.num_computed,
+                                                req.page_ids))
         return batch
 
     def row_params(self, req: Req, ahead: int = 0) -> RowParams:
-        """Row settings of req's next token; `ahead`: tokens sampled but not landed yet."""
-        sp = req.sampling
-        return RowParams(sp.temperature, sp.top_k, sp.top_p, int(sp.seed or 0),
-                         len(req.output_ids) + ahead, min_p=sp.min_p,
-                         presence_penalty=sp.presence_penalty,
-                         frequency_penalty=sp.frequency_penalty,
-                         repetition_penalty=sp.repetition_penalty, logprobs=sp.logprobs,
-                         history=PenaltyHistory(req.serial, req.prompt_ids, req.output_ids))
-
-    @staticmethod
-    def token_logprob(result: SampleResult, i: int, req: Req) -> TokenLogprob | None:
-        """Row i's logprob for `req`, if it asked for logprobs."""
-        n = req.sampling.logprobs
-        if n < 0 or result.logprobs is None:
-            return None
-        logprob, top = result.token_logprob(i, n)
-        return TokenLogprob(logprob, tuple(top))
+        return sampler_row(req, ahead)
 
     def run_batch(self, batch: ScheduledBatch) -> None:
         self.fault.tick()  # testing: server.fault_inject_thread=scheduler kills the loop here
@@ -762,85 +393,3 @@ class Scheduler(OverlapMixin):
             else:
                 self.process_new_token(req, int(result.tokens[i]),
                                        self.token_logprob(result, i, req))
-
-    # ------------------------------------------------------------------ stats
-    def _evictable_pages(self, now: float) -> int:
-        """Pages only the prefix cache holds (it frees them on demand). With no request alive
-        that is the whole tree; otherwise the count walks the tree, so it is refreshed at most
-        every EVICTABLE_REFRESH_S (a load signal, read by routers every few seconds)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return 0
-        if not self.reqs:
-            self._evictable = (now, cache.num_pages)
-        elif now - self._evictable[0] >= EVICTABLE_REFRESH_S:
-            self._evictable = (now, cache.num_evictable())
-        return min(self._evictable[1], cache.num_pages)
-
-    def _host_tier_stats(self) -> dict[str, Any]:
-        """The prefix cache's host tier: pages held and their bound, pages loaded back (hits)
-        and copied out (spilled), bytes moved each way; zeros without a tier."""
-        cache, host = self.prefix_cache, self.host_tier
-        if host is None:
-            return dict.fromkeys(("host_kv_pages", "host_kv_capacity", "host_hit_pages",
-                                  "host_spilled_pages", "host_bytes_to_host",
-                                  "host_bytes_to_device"), 0)
-        return {"host_kv_pages": cache.num_host_pages, "host_kv_capacity": host.capacity,
-                "host_hit_pages": cache.num_host_hits, "host_spilled_pages": cache.num_spilled,
-                "host_bytes_to_host": host.bytes_to_host,
-                "host_bytes_to_device": host.bytes_to_device}
-
-    def extra_stats(self) -> dict[str, Any]:
-        """More counters for the same snapshot (the PD mixins add theirs)."""
-        return {}
-
-    def publish_stats(self) -> None:
-        now = time.monotonic()
-        win = self._tput_window
-        win.append((now, self.num_generated))
-        while len(win) > 2 and now - win[0][0] > 5.0:
-            win.popleft()
-        dt = now - win[0][0]
-        tput = (self.num_generated - win[0][1]) / dt if dt > 0 else 0.0
-        num_tokens = sum(r.seq_len for r in self.running) + sum(r.seq_len for r in self.waiting)
-        evictable = self._evictable_pages(now)
-        stats = {
-            "free_pages": self.allocator.num_free,
-            "total_pages": self.allocator.num_total,
-            "page_size": self.page_size,
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_reqs": len(self.reqs),
-            "num_tokens": num_tokens,
-            "num_forward": self.num_forward,
-            "num_generated": self.num_generated,
-            "num_prefill_tokens": self.num_prefill_tokens,
-            "num_mixed_steps": self.num_mixed_steps,
-            "num_overlapped_steps": self.num_overlapped_steps,
-            "num_preemptions": self.num_preemptions,
-            "prefix_cache": self.prefix_cache is not None,
-            "tree_pages": self.prefix_cache.num_pages if self.prefix_cache is not None else 0,
-            "cached_tokens": self.num_cached_tokens,
-            "evicted_pages": self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
-            "evictable_pages": evictable,
-            **self._host_tier_stats(),
-            # checked only when idle, and again only after the pool changed (the full check
-            # runs in tests at any time)
-            "page_problems": None if self.reqs else self._idle_page_problems(),
-            "gen_throughput": tput,
-            "alive": self.alive,
-            **self.extra_stats(),
-        }
-        with self._stats_lock:  # one replacement: a reader never sees half of a snapshot
-            self._stats = stats
-        m = self.metrics
-        m.num_running.set(stats["num_running"])
-        m.num_queue.set(stats["num_waiting"])
-        m.gen_throughput.set(tput)
-        m.free_pages.set(stats["free_pages"])
-        m.total_pages.set(stats["total_pages"])
-        m.token_usage.set(token_usage(stats))
-        m.tree_pages.set(stats["tree_pages"])
-        m.set_host_tier(stats)
-        m.evictable_pages.set(stats["evictable_pages"])
-        m.set_cache_hits(self.num_cached_tokens, self.num_cached_tokens + self.num_prefill_tokens)

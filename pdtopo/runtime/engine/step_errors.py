@@ -17,6 +17,9 @@ scheduler sorts a step's exception (`Scheduler.step_error_is_fatal`) into
       holds (503, retryable), then its thread ends with `EngineStateLost`: /health 503 and the
       process exits with status 70 (`worker_threads.crash_process`); supervisord restarts it.
 
+`StepErrorsMixin`, mixed into the `Scheduler`, does both: `step_error_is_fatal` sorts (the
+donated arrays are `device_state()`), `fail_engine` answers and ends the thread.
+
 `StepFault` is the testing knob `engine.fault_inject_step_error_after`: the runner's N-th step
 raises `InjectedStepError` (a plain RuntimeError, not a device error) after its programs took
 the pool and before the runner takes their output pool back, so the pool is gone exactly as
@@ -25,12 +28,19 @@ after a real mid-step failure, and only the donation check can tell.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
+
+from pdtopo.runtime.engine.request import FinishReason
+
+log = logging.getLogger("pdtopo.scheduler")
 
 # class names of jaxlib's runtime errors (JaxRuntimeError; XlaRuntimeError before it)
 DEVICE_ERROR_NAMES = frozenset({"JaxRuntimeError", "XlaRuntimeError"})
 STEP_FAULT_SETTING = "engine.fault_inject_step_error_after"
+ANSWER_GRACE_S = 0.5  # after a fatal step error: time the HTTP layer gets to send the answers
 
 
 class EngineStateLost(RuntimeError):
@@ -76,3 +86,49 @@ class StepFault:
             raise InjectedStepError(
                 f"injected failure of step {self.steps} after its KV pool was donated "
                 f"({STEP_FAULT_SETTING}={self.after})")
+
+
+class StepErrorsMixin:
+    """How the `Scheduler` sorts a step's exception and ends an engine that lost its device
+    state; the Scheduler provides the rest (`runner`, `sampler`, `reqs`, `finish_request`,
+    `publish_stats`, ...)."""
+
+    def step_error_is_fatal(self, exc: BaseException) -> bool:
+        """Whether a step's exception leaves this engine unable to run another step: a device
+        error, or an array of its device state donated and not replaced (see above)."""
+        return is_device_error(exc) or device_state_lost(self.device_state())
+
+    def device_state(self) -> list[Any]:
+        """The device arrays that steps donate: the KV pool and the penalty tables."""
+        arrays = list(getattr(self.runner, "kv_caches", None) or [])
+        tables = self.sampler.tables
+        if tables is not None:
+            arrays += [tables.counts, tables.seen]
+        return arrays
+
+    def fail_engine(self, exc: BaseException) -> NoReturn:
+        """A step failed and took the engine's device state with it: /health 503 at once,
+        every request held answered with a retryable 503, a moment for the HTTP layer to send
+        those answers, then `EngineStateLost` ends this thread, and `on_crash` the process
+        (status 70; supervisord starts a fresh one)."""
+        self.alive = False
+        log.critical("engine step failed and its device state is lost (%s: %s); answering "
+                     "%d request(s) and ending the process", type(exc).__name__, exc,
+                     len(self.reqs))
+        reason = FinishReason.abort(f"engine error: {exc}; the server restarts (retry the "
+                                    "request)", 503)
+        answered = 0
+        for req in list(self.reqs.values()):
+            try:
+                self.finish_request(req, reason)
+                answered += 1
+            except Exception:  # noqa: BLE001 - the others still get theirs; the exit follows
+                log.exception("could not end %s", req.rid)
+        self.in_flight = None
+        try:
+            self.publish_stats()
+        except Exception:  # noqa: BLE001 - the exit follows
+            log.exception("could not publish the final stats")
+        if answered:
+            time.sleep(ANSWER_GRACE_S)
+        raise EngineStateLost(f"engine device state lost: {type(exc).__name__}: {exc}") from exc

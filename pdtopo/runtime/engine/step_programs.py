@@ -14,7 +14,7 @@ to dispatch (tens of microseconds).
 Programs are compiled ahead of time from abstract inputs (`compile`: shapes, dtypes and
 shardings only), so warmup compiles a shape without executing it. `run` compiles a shape it has
 not seen (a step larger than the geometry) on first use, and `compiled_shapes` counts them.
-The persistent compilation cache (pdtopo.runtime.compilation_cache) makes a warm start load
+The persistent compilation cache (pdtopo.runtime.engine.compilation_cache) makes a warm start load
 these executables instead of compiling them.
 """
 

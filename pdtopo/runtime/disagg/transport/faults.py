@@ -10,7 +10,7 @@ import random
 import threading
 
 from pdtopo.config.settings import check_value
-from pdtopo.runtime.disagg.base import KVTransferError
+from pdtopo.runtime.disagg.transport.base import KVTransferError
 
 
 class InjectedTransferFault(KVTransferError):

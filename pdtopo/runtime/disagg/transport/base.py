@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pdtopo.runtime.disagg.kvpoll import KVPoll
+from pdtopo.runtime.disagg.transport.kvpoll import KVPoll
 
 MAIN_KV = "main_kv"
 

@@ -17,8 +17,8 @@ For every pool head D shard j holds, the plan takes the first copy of that model
 `Piece` (a head range of one P shard that lands at an offset of one D shard). So each D shard
 pulls exactly the heads it holds: bytes moved equal D's pool share of the request's pages,
 i.e. the KV size once when D does not replicate heads, and once per replica when it does.
-P cuts the pieces from its packed copy at registration time (`reshard_arrays.cut_pieces`);
-D concatenates the pieces of each of its shards (`reshard_arrays.assemble`).
+P cuts the pieces from its packed copy at registration time (`arrays.cut_pieces`);
+D concatenates the pieces of each of its shards (`arrays.assemble`).
 """
 
 from __future__ import annotations

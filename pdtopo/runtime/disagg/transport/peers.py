@@ -22,11 +22,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pdtopo.runtime.disagg.expiring_cache import ExpiringCache
-from pdtopo.runtime.disagg.mixin_base import compatibility_problems
-from pdtopo.runtime.disagg.resolve import HostResolver
+from pdtopo.runtime.disagg.reshard.layout import layout_problems
+from pdtopo.runtime.disagg.transport.expiring_cache import ExpiringCache
+from pdtopo.runtime.disagg.transport.resolve import HostResolver
 
 Lookup = Callable[[str, int], dict[str, Any]]
+
+
+def compatibility_problems(mine: dict[str, Any], peer: dict[str, Any]) -> list[str]:
+    """Differences between this rank's registration and a peer's that make KV exchange unsafe."""
+    problems = []
+    for key in ("page_size", "kv_dtype", "model"):
+        if mine.get(key) != peer.get(key):
+            problems.append(f"{key}: this server has {mine.get(key)!r}, peer has {peer.get(key)!r}")
+    problems += layout_problems(mine.get("kv_layout") or {}, peer.get("kv_layout") or {})
+    return problems
 
 
 class PeerDirectory:

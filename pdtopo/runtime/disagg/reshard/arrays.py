@@ -1,4 +1,4 @@
-"""The array side of a KV reshard between P and D laid out differently (`reshard.plan_pieces`).
+"""The array side of a KV reshard between P and D laid out differently (`layout.plan_pieces`).
 
     P: arrays = cut_pieces(packed, p_layout, pieces)      # registered for D's pull
     D: specs = piece_specs(meta, pieces, d_sharding)      # what D pulls (one spec per array)
@@ -10,8 +10,8 @@ is) or a slice of it along heads (a copy on that device); jax.experimental.trans
 the device of its D shard. D concatenates the pieces of a shard along heads (nothing to do
 when one piece fills it) and joins the shards into an array with its pool's sharding, ready for
 the ordinary scatter, or (`slot_offsets`: every D shard takes the same pieces) writes them straight
-into head ranges of the pool (`jax_transfer.scatter_pieces`). The pieces have the wire's rows
-(`base.wire_rows`: the pages, then padding to a power of two), so slices, joins and piece
+into head ranges of the pool (`transport.resharding.scatter_pieces`). The pieces have the wire's rows
+(`transport.base.wire_rows`: the pages, then padding to a power of two), so slices, joins and piece
 scatters compile once per bucket of page counts; both sides warm the buckets before serving.
 """
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdtopo.runtime.disagg.reshard import KVShardLayout, Piece
+from pdtopo.runtime.disagg.reshard.layout import KVShardLayout, Piece
 
 
 def shard_devices(sharding: Any, shards: int) -> list[Any]:

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pdtopo.runtime.disagg.expiring_cache import ExpiringCache
+from pdtopo.runtime.disagg.transport.expiring_cache import ExpiringCache
 
 Result = tuple[str, Any]  # ("ok", ip) | ("pending", None) | ("error", message)
 

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 from pdtopo.config.settings import check_value
-from pdtopo.runtime.disagg.base import KVTransferError
-from pdtopo.runtime.disagg.faults import FaultInjector
+from pdtopo.runtime.disagg.transport.base import KVTransferError
+from pdtopo.runtime.disagg.transport.faults import FaultInjector
 from pdtopo.runtime.worker_threads import (
     NO_FAULT,
     CrashHandler,

@@ -24,22 +24,12 @@ running. Room ownership:
     for a room are accepted only from the endpoint that was asked.
 `forget(room)` drops those records once a room is finished.
 
-A P that dies (kill -9, crash) closes its TCP connections at once: each DEALER's socket monitor
-reports the disconnect, and every room still expected from that endpoint gets a local
-`failed(room, status=503)` event, as if P had sent it, so D fails those requests now instead of
-at `disaggregation.kv_timeout_s` (counted as `peer_disconnects` / `rooms_failed_on_disconnect`).
-While the endpoint stays down (the monitor reports refused reconnects), a `want` for a new room
-fails the same way at once, and so does a room whose first connection attempt is refused: a
-request the router still sends to a dead P gets a retryable error in milliseconds.
-The same holds the other way: the ROUTER's socket monitor reports a D whose connection closed;
-the ROUTER knows which connection each D identity's messages came from (the frames' source
-descriptor), and every room that D owns gets a local `failed(room, status=503)` event, as if D
-had sent it, so P drops that room's KV now instead of at `disaggregation.sender_expiry_s`
-(counted as `decode_disconnects` / `rooms_failed_on_decode_disconnect`).
+A peer that dies is noticed at once: socket monitors turn its closed connection into local
+`failed` events for its rooms (peer_watch.py).
 
 With `curve` keys (`disaggregation.side_channel_curve`, on beyond loopback by default) the ROUTER
 is a CURVE server that admits only peers holding the deployment's key pair, and every DEALER is
-a CURVE client with it (pdtopo/runtime/disagg/curve.py): a peer without the token cannot
+a CURVE client with it (pdtopo/runtime/disagg/transport/curve.py): a peer without the token cannot
 complete a handshake, so nothing it sends reaches the I/O thread (`curve_denied` counts the
 refused handshakes); all side-channel traffic is encrypted.
 """
@@ -55,15 +45,20 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from pdtopo.runtime.disagg import messages as m
-from pdtopo.runtime.disagg.curve import CurveKeys, admit_only, release, secure_dealer, secure_router
-from pdtopo.runtime.disagg.resolve import HostResolver
+from pdtopo.runtime.disagg.transport import messages as m
+from pdtopo.runtime.disagg.transport.curve import (
+    CurveKeys,
+    admit_only,
+    release,
+    secure_dealer,
+    secure_router,
+)
+from pdtopo.runtime.disagg.transport.peer_watch import MONITORED, Peer, PeerWatch, SideChannelEvent
+from pdtopo.runtime.disagg.transport.resolve import HostResolver
+from pdtopo.runtime.disagg.transport.zmq_source import source_fd
 from pdtopo.runtime.worker_threads import (
     NO_FAULT,
     CrashHandler,
@@ -71,33 +66,17 @@ from pdtopo.runtime.worker_threads import (
     WorkerThread,
     crash_process,
 )
-from pdtopo.runtime.zmq_source import source_fd
 
 log = logging.getLogger(__name__)
 
 _TO_P = ("want", "done", "failed")   # types a ROUTER accepts
 _TO_D = ("ready", "failed")          # types a DEALER accepts
-PEER_GONE_STATUS = 503  # a retryable status: the router may send the request elsewhere
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 # a DEALER used this recently is never closed to make room for another (what it was last given
 # has long been flushed when it is closed, with LINGER 0), so at most max_peers are closed a second
 _EVICT_GRACE_S = 1.0
 
 
-class Peer(NamedTuple):
-    """Where a message came from / goes to: ("router", identity) or ("dealer", "host:port")."""
-
-    kind: str
-    key: bytes | str
-
-
-@dataclass(frozen=True)
-class SideChannelEvent:
-    peer: Peer
-    msg: m.Message
-
-
-class SideChannel:
+class SideChannel(PeerWatch):
     """A side-channel endpoint; `bind` ("host:port", port 0 = any) makes it a P (ROUTER)."""
 
     def __init__(self, *, bind: str | None = None, max_bytes: int = 65536,
@@ -107,7 +86,7 @@ class SideChannel:
                  on_crash: CrashHandler = crash_process, fault: FaultInjector = NO_FAULT) -> None:
         """`on_crash(name, exc)`: the I/O thread died (default: end the process; see
         pdtopo.runtime.worker_threads); `fault` kills it on purpose (testing).
-        `curve`: the deployment's CURVE keys (pdtopo.runtime.disagg.curve): the ROUTER
+        `curve`: the deployment's CURVE keys (pdtopo.runtime.disagg.transport.curve): the ROUTER
         admits only peers that hold them and every DEALER presents them; None: plain TCP.
         `max_peers` DEALERs at most, each closed after `peer_idle_s` without a room in flight;
         host names are resolved by `resolver` (one of `resolve_threads` threads by default)."""
@@ -330,7 +309,7 @@ class SideChannel:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, b"%s-%d" % (self._identity, next(self._dealer_ids)))
             sock.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_bytes)
-            monitor = sock.get_monitor_socket(_MONITORED)
+            monitor = sock.get_monitor_socket(MONITORED)
             sock.connect(f"tcp://{target}")
         except Exception:  # leave nothing open behind
             if monitor is not None:
@@ -374,70 +353,6 @@ class SideChannel:
     def _gauge(self, key: str, value: int) -> None:
         with self._stats_lock:
             self._stats[key] = value
-
-    def _recv_monitor(self, monitor: zmq.Socket, endpoint: str) -> None:
-        """Connection events of one DEALER; a disconnect fails the rooms expected from it."""
-        while True:
-            try:
-                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            kind = event["event"]
-            if kind == zmq.EVENT_CONNECTED:
-                self._down.discard(endpoint)
-            elif kind == zmq.EVENT_DISCONNECTED:
-                self._down.add(endpoint)
-                self._peer_gone(endpoint)
-            elif kind == zmq.EVENT_CONNECT_RETRIED:  # refused: nothing listens there now
-                if endpoint not in self._down:
-                    self._down.add(endpoint)
-                    self._fail_expected(endpoint, "refuses connections (it is down or "
-                                        "restarting)")
-
-    def _recv_router_monitor(self) -> None:
-        """The ROUTER's connection events; a closed connection fails its D's rooms."""
-        assert self._router_monitor is not None
-        while True:
-            try:
-                event = recv_monitor_message(self._router_monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                fd = event["value"]
-                for identity in [i for i, f in self._peer_fds.items() if f == fd]:
-                    del self._peer_fds[identity]
-                    self._decode_gone(identity)
-
-    def _decode_gone(self, identity: bytes) -> None:
-        rooms = sorted(r for r, o in self._owners.items() if o == identity)
-        self._count("decode_disconnects")
-        if rooms:
-            log.warning("%s: decode peer %r disconnected; failing its rooms %s", self.name,
-                        identity, rooms)
-        for room in rooms:
-            self._count("rooms_failed_on_decode_disconnect")
-            self.events.put(SideChannelEvent(Peer("router", identity), m.Failed(
-                room=room, status=PEER_GONE_STATUS,
-                reason="the decode server that asked for this KV disconnected (it died or "
-                       "restarted); nobody will pull it")))
-
-    def _peer_gone(self, endpoint: str) -> None:
-        self._count("peer_disconnects")
-        self._fail_expected(endpoint, "disconnected (it died or restarted)")
-
-    def _fail_expected(self, endpoint: str, what: str, rooms: list[int] | None = None) -> None:
-        """Local `failed` events for the rooms expected from `endpoint` (or just `rooms`)."""
-        if rooms is None:
-            rooms = sorted(r for r, e in self._expected.items() if e == endpoint)
-        if rooms:
-            log.warning("%s: prefill side channel %s %s; failing rooms %s", self.name,
-                        endpoint, what, rooms)
-        for room in rooms:
-            self._count("rooms_failed_on_disconnect")
-            self.events.put(SideChannelEvent(Peer("dealer", endpoint), m.Failed(
-                room=room, status=PEER_GONE_STATUS,
-                reason=f"the prefill server at {endpoint} {what}; its KV for this request "
-                       "will not come")))
 
     def _do_send(self, peer: Peer, msg: m.Message) -> None:
         data = m.encode(msg)

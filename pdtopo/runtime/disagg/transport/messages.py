@@ -8,7 +8,7 @@ Every message is one JSON object, UTF-8, at most `max_bytes` long, with a protoc
 | want   | D -> P    | room; D says it waits for this room's KV (P learns D's identity);      |
 |        |           | cached_pages, prefix_hash (optional: D holds the prompt's first       |
 |        |           | cached_pages pages already; prefix_digest of their token ids),         |
-|        |           | layout (optional: D's KV shard layout, reshard.KVShardLayout dict)     |
+|        |           | layout (optional: D's KV shard layout, a KVShardLayout dict)          |
 | ready  | P -> D    | room, transfer_addr, transfer_uuid, expires_at (unix s), pools (list   |
 |        |           | of PackedMeta dicts: shape, dtype, page_count, page_size, sharding,    |
 |        |           | num_entries), first_token, first_logprob (optional), prompt_len,      |
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdtopo.runtime.disagg.base import PackedMeta
-from pdtopo.runtime.disagg.reshard import KVShardLayout
+from pdtopo.runtime.disagg.reshard.layout import KVShardLayout
+from pdtopo.runtime.disagg.transport.base import PackedMeta
 from pdtopo.runtime.engine.request import MAX_TOP_LOGPROBS, TokenLogprob
 
 PROTOCOL_VERSION = 1
@@ -67,7 +67,7 @@ class Want:
     room: int
     cached_pages: int = 0
     prefix_hash: str | None = None
-    layout: dict[str, Any] | None = None  # D's KV shard layout (reshard.KVShardLayout)
+    layout: dict[str, Any] | None = None  # D's KV shard layout (reshard.layout.KVShardLayout)
     type: str = field(default="want", init=False)
 
 
