@@ -15,6 +15,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pdtopo.config.compose import compose_config
+from pdtopo.launcher.operate.preflight import ModelError, check_model
+from pdtopo.launcher.plan.expand import expand_plan
 from pdtopo.model_config.sources.fetch_cli import fetch_command
 from pdtopo.ports import free_port
 from tests.support.e2e import deployment_overrides, port_block, processes_of_run, run_pdtopo
@@ -63,3 +65,17 @@ def test_a_launch_without_index_or_cache_fails_before_starting_anything(tmp_path
         if (run / "supervisord.conf").exists():  # a launch that went ahead
             run_pdtopo(["stop", str(run)], timeout=120)
     assert processes_of_run(run) == []
+
+
+def test_a_tp_the_model_cannot_split_names_models_that_can(tmp_path):
+    """SmolLM2's 3 KV heads do not split over tp 4 (the TPU topologies): the refusal names the
+    tp key and the way out (another model, or the tiny one to try the topology)."""
+    cfg = compose_config(["model=tiny_llama", "model.num_heads=9", "model.num_kv_heads=3",
+                          "model.head_dim=16", "topology=1p1d_v6e8"])
+    plan = expand_plan(cfg, run_dir=str(tmp_path), cpus=[0, 1])
+    with pytest.raises(ModelError) as err:
+        check_model(cfg, plan, strict=True)
+    assert err.value.key == "topology.prefill.mesh.tp" and err.value.value == 4
+    assert "model=tiny_llama" in str(err.value) and "model=hf_local" in str(err.value)
+    warnings = check_model(cfg, plan, strict=False)
+    assert any("model=tiny_llama" in w and "would fail at start" in w for w in warnings)

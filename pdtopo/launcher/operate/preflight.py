@@ -147,9 +147,11 @@ def checked_model(cfg: DictConfig, plan: Plan, *, strict: bool = True
         try:
             check_tp(model, tp)
         except ValueError as e:
+            why = (f"{e}; or serve a model whose heads split {tp} ways (model=hf_local "
+                   "model.path=..., or model=tiny_llama to try the topology)")
             if strict:
-                raise ModelError(key, tp, str(e)) from e
-            warnings.append(f"{key}={tp}: {e}; its programs would fail at start")
+                raise ModelError(key, tp, why) from e
+            warnings.append(f"{key}={tp}: {why}; its programs would fail at start")
     return warnings, model
 
 
