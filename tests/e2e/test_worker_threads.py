@@ -39,6 +39,7 @@ from pdtopo.runtime.settings import direct_process_context
 from pdtopo.runtime.worker_threads import CRASH_EXIT_CODE, FaultInjector, InjectedCrash
 from tests.support.constants import ONE_DEVICE, TINY_OVERRIDES
 from tests.support.e2e import ColocatedServer
+from tests.support.faults import wait_until
 from tests.support.scheduler_fakes import FakeRunner, FakeTokenizer, make_ctx
 
 EXIT_WITHIN_S = 5.0
@@ -246,6 +247,19 @@ def generated(url: str) -> int:
 
 
 @pytest.mark.slow
+def survivor_takes_over(dep, router, urls: dict, dead: str, alive: str, n: int) -> float:
+    """Wait for the router to mark `dead` unhealthy (returns when, monotonic), then `n` short
+    requests through the proxy are all served, all by `alive`."""
+    wait_until(lambda: router.health(urls[dead]) is not True, 10, interval=0.05,
+               what=f"the router marking {dead} unhealthy")
+    marked = time.monotonic()
+    served = generated(urls[alive])
+    answers = [short(dep.proxy_url) for _ in range(n)]
+    assert [a.status_code for a in answers] == [200] * n, [a.text[:200] for a in answers]
+    assert generated(urls[alive]) - served == n * 2  # all on the survivor
+    return marked
+
+
 def test_router_stops_routing_to_an_instance_whose_scheduler_thread_died(tmp_path):
     """dp: two colocated instances behind sglang-router, each armed to lose its scheduler
     thread at its 30th batch. One long request kills the instance serving it: its client gets
@@ -255,7 +269,7 @@ def test_router_stops_routing_to_an_instance_whose_scheduler_thread_died(tmp_pat
     from pdtopo.launcher.operate.router_admin import RouterAdmin
     from pdtopo.launcher.operate.supervisor_control import pid_alive
     from tests.support.e2e import Deployment, deployment_overrides, port_block
-    from tests.support.faults import program_pid, wait_restarted, wait_until
+    from tests.support.faults import program_pid, wait_restarted
 
     dep = Deployment(tmp_path / "run", [*DP_OVERRIDES, *deployment_overrides(port_block(40))])
     dep.launch()
@@ -289,13 +303,7 @@ def test_router_stops_routing_to_an_instance_whose_scheduler_thread_died(tmp_pat
         sup_log = (dep.run_dir / "supervisord.log").read_text()
         assert f"exited: {dead} (exit status {CRASH_EXIT_CODE}; not expected)" in sup_log, \
             sup_log[-2000:]
-        wait_until(lambda: router.health(urls[dead]) is not True, 10, interval=0.05,
-                   what=f"the router marking {dead} unhealthy")
-        out_s = time.monotonic() - t0
-        served = generated(urls[alive])
-        answers = [short(dep.proxy_url) for _ in range(5)]
-        assert [a.status_code for a in answers] == [200] * 5, [a.text[:200] for a in answers]
-        assert generated(urls[alive]) - served == 5 * 2  # all on the survivor
+        out_s = survivor_takes_over(dep, router, urls, dead, alive, 5) - t0
         assert not healthy(urls[dead]), f"{dead} came back before the check ended"
         back_s = wait_restarted(dep, dead, pids[dead], timeout=120)
         wait_until(lambda: router.health(urls[dead]) is True, 30, what=f"{dead} back in router")
@@ -343,7 +351,6 @@ def test_a_step_that_loses_the_kv_pool_restarts_its_server(tmp_path):
         post_generate,
         program_pid,
         wait_restarted,
-        wait_until,
     )
 
     dep = Deployment(tmp_path / "run",
@@ -383,13 +390,7 @@ def test_a_step_that_loses_the_kv_pool_restarts_its_server(tmp_path):
                    what=f"supervisord logging {line!r}")
         log = (dep.run_dir / "logs" / f"{dead}.log").read_text()
         assert "device state is lost" in log and "worker thread scheduler crashed" in log
-        wait_until(lambda: router.health(urls[dead]) is not True, 10, interval=0.05,
-                   what=f"the router marking {dead} unhealthy")
-        out_s = time.monotonic() - exited
-        served = generated(urls[alive])
-        answers = [short(dep.proxy_url) for _ in range(3)]
-        assert [a.status_code for a in answers] == [200] * 3, [a.text[:200] for a in answers]
-        assert generated(urls[alive]) - served == 3 * 2  # all on the survivor
+        out_s = survivor_takes_over(dep, router, urls, dead, alive, 3) - exited
         back_s = wait_restarted(dep, dead, pid, timeout=120)
         wait_until(lambda: router.health(urls[dead]) is True, 30, what=f"{dead} back in router")
         assert short(urls[dead]).status_code == 200  # the replacement serves

@@ -77,8 +77,7 @@ def pool_text(settings: RuntimeSettings, role: str, tp: int, platform: str,
 
 def pool_summaries(cfg: DictConfig, plan: Plan, model: ModelConfig | None) -> dict[str, str]:
     """{program: its KV pool} for every P, D and colocated program of `plan`."""
-    hbm = accelerator_spec(plan.accelerator.split(" (")[0], plan.platform).hbm_gib \
-        if plan.platform == "tpu" else None
+    hbm = accelerator_spec(plan.accelerator, "tpu").hbm_gib if plan.platform == "tpu" else None
     out = {}
     for proc in plan.processes:
         if proc.role in POOL_ROLES:

@@ -95,6 +95,8 @@ def _scatter_rows(kv_caches: tuple, rows: tuple, ids, sharding=None) -> tuple:
 
 
 class HostKVTier:
+    """The rows in host memory and the programs that move them (see the module docstring)."""
+
     def __init__(self, runner: Any, capacity_pages: int):
         if capacity_pages < 1:
             raise ValueError(f"engine.host_kv_pages must be >= 1 for a host tier, got {capacity_pages}")
@@ -106,11 +108,11 @@ class HostKVTier:
         pool = runner.kv_caches
         self.memory_kind = host_memory_kind(next(iter(pool[0].devices())))
         self._groups = [slice(i, min(i + GROUP, len(pool))) for i in range(0, len(pool), GROUP)]
-        device = [pool[g.start].sharding for g in self._groups]   # a row is sharded like a page
-        self._device = device
-        self._host = [s.with_memory_kind(self.memory_kind) for s in device]
+        # a row is sharded like a page of its group's entries
+        self._device = [pool[g.start].sharding for g in self._groups]
+        self._host = [s.with_memory_kind(self.memory_kind) for s in self._device]
         self._constraint = [s if isinstance(s, jax.sharding.NamedSharding) else None
-                            for s in device]
+                            for s in self._device]
         self.page_bytes = sum(kv.nbytes // kv.shape[0] for kv in pool)
         self._rows: dict[int, list[Any]] = {}   # row id -> its arrays in host memory, per group
         self._ids = itertools.count()
@@ -140,16 +142,20 @@ class HostKVTier:
             n = len(chunk)
             ids = np.zeros(_bucket(n), np.int32)    # padding rows gather page 0, then go
             ids[:n] = chunk
-            per_group = [_gather_rows(tuple(self.runner.kv_caches[g]), ids,
-                                      sharding=self._constraint[i])[:n]
-                         for i, g in enumerate(self._groups)]
-            rows = [[per_group[i][r] for i in range(len(self._groups))] for r in range(n)]
-            for arrays in jax.device_put(rows, [self._host] * n):
+            for arrays in jax.device_put(self._device_rows(ids, n), [self._host] * n):
                 row = next(self._ids)
                 self._rows[row] = arrays
                 refs.append(HostRef(row))
             self.bytes_to_host += n * self.page_bytes
         return refs
+
+    def _device_rows(self, ids: np.ndarray, n: int) -> list[list[Any]]:
+        """The first `n` of the pages `ids` (a ROW_BUCKETS size) cut into rows on the device:
+        per row, one array per group of pool entries."""
+        per_group = [_gather_rows(tuple(self.runner.kv_caches[g]), ids,
+                                  sharding=self._constraint[i])
+                     for i, g in enumerate(self._groups)]
+        return [[per_group[i][r] for i in range(len(self._groups))] for r in range(n)]
 
     def load(self, refs: Sequence[HostRef], pages: Sequence[int]) -> None:
         """Dispatch writes of the rows `refs` into device `pages` (only those rows move)."""
@@ -183,11 +189,7 @@ class HostKVTier:
         t0 = time.perf_counter()
         num_pages = self.runner.kv_caches[0].shape[0]
         for n in ROW_BUCKETS:
-            ids = np.ones(n, np.int32)
-            per_group = [_gather_rows(tuple(self.runner.kv_caches[g]), ids,
-                                      sharding=self._constraint[i])
-                         for i, g in enumerate(self._groups)]
-            rows = [[per_group[i][r] for i in range(len(self._groups))] for r in range(n)]
+            rows = self._device_rows(np.ones(n, np.int32), n)
             rows = jax.device_put(jax.device_put(rows, [self._host] * n), [self._device] * n)
             targets = np.full(n, num_pages, np.int32)
             targets[0] = 1          # page 1 gets its own bytes back: nothing changes
