@@ -34,7 +34,6 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pdtopo.config.tpu_kernel_budget import Q_BLOCK  # query rows per grid step of the kernel
 from pdtopo.kernels import interpret_support, ragged_attention
 from pdtopo.runtime.engine.step_inputs import AttentionMetadata
 
@@ -143,15 +142,13 @@ def flat_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
 
 
 def pallas_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                     md: AttentionMetadata, sm_scale: float, block_pages: int,
-                     interpret: bool) -> jax.Array:
+                     md: AttentionMetadata, sm_scale: float, interpret: bool) -> jax.Array:
     """The ragged kernel over the pools in place (`md` in the ragged layout)."""
-    t = q.shape[0]
     if interpret:
         interpret_support.install()
     return ragged_attention.ragged_paged_attention(
-        q, k_pool, v_pool, md.kv_lens, md.page_table, md.cu_q_lens, md.num_seqs,
-        sm_scale=sm_scale, q_block=min(Q_BLOCK, t), pages_per_block=block_pages,
+        q, k_pool, v_pool, md.kv_lens, md.page_table, md.cu_q_lens, md.kind_counts,
+        md.dec_seqs, md.pf_blocks, md.pf_q_rows, md.out_rows, sm_scale=sm_scale,
         # "eager" DMAs: the interpreter's default ("on_wait") can hang under shard_map
         interpret=pltpu.InterpretParams(dma_execution_mode="eager") if interpret else False)
 
@@ -160,7 +157,7 @@ def _local(q, k, v, k_pool, v_pool, md, *, impl: str, layout: str, block_pages: 
            sm_scale: float):
     k_pool, v_pool = write_kv(k, v, k_pool, v_pool, md)
     if impl in KERNEL_IMPLS:
-        out = pallas_attention(q, k_pool, v_pool, md, sm_scale, block_pages,
+        out = pallas_attention(q, k_pool, v_pool, md, sm_scale,
                                interpret=impl == "pallas_interpret")
     else:
         attend = decode_attention if layout == "decode" else flat_attention

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pdtopo.config.attention_blocks import KernelBlocks, block_counts, blocks_for
 from pdtopo.config.tpu_kernel_budget import CONTEXT_BLOCK_TOKENS
 
 # CONTEXT_BLOCK_TOKENS: context tokens attention reads per block (a block holds
@@ -73,6 +74,12 @@ class AttentionMetadata(NamedTuple):
     num_blocks: Any    # decode: [1] context blocks attention visits
     work: Any          # flat: [5, I] work items (query tile x context block), rows: WORK_FIELDS
     num_work: Any      # flat: [1] real work items
+    # ragged (the TPU kernel's per-kind calls; pdtopo.kernels.ragged_attention):
+    kind_counts: Any   # [2] decode rows, prefill query blocks
+    dec_seqs: Any      # [Gd, Bd] sequences with one query token, Bd per decode grid step
+    pf_blocks: Any     # [Gp, 2] prefill query blocks: (sequence, first row within its chunk)
+    pf_q_rows: Any     # [Gp, Tq] each prefill block's flat token rows (T: padding)
+    out_rows: Any      # [T] each token's row in [decode outputs; prefill outputs; zero row]
 
 
 # Rows of AttentionMetadata.work: the item's block in ctx_pages, the tile's first token row,
@@ -97,6 +104,15 @@ class StepGeometry:
     # True: a flat step may carry every running decode beside the prompt chunks
     # (engine.mixed_steps), so its context list is bounded by max_rows whole contexts
     mixed: bool = False
+    # ragged: one device's (q dtype, kv dtype, heads, kv heads, head_dim), the key of the
+    # kernel's block table (pdtopo.config.attention_blocks)
+    kernel_shape: tuple = ("float32", "float32", 1, 1, 128)
+
+    def kernel_blocks(self, tokens: int) -> tuple[KernelBlocks, KernelBlocks]:
+        """The TPU kernel's (decode, prefill) blocks for a step of `tokens` (bucket)."""
+        q_dtype, kv_dtype, heads, kv_heads, head_dim = self.kernel_shape
+        key = (q_dtype, kv_dtype, heads, kv_heads, head_dim, self.page_size, tokens)
+        return blocks_for("decode", *key), blocks_for("prefill", *key)
 
     @property
     def block_pages(self) -> int:
@@ -230,14 +246,55 @@ def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
         n_work = 0
         pages_key, ctx_key = width, 0
 
+    kernel = (kernel_inputs(lens, cu, n, tb, rows, geometry) if layout == "ragged"
+              else _NO_KERNEL_INPUTS)
     md = AttentionMetadata(
         slot_pages=slot_pages, slot_offsets=slot_offsets,
         page_table=page_table, kv_lens=kv_lens,
         cu_q_lens=cu if layout == "ragged" else np.zeros(2, dtype=np.int32),
         num_seqs=np.array([n], dtype=np.int32), ctx_pages=ctx_pages, num_blocks=num_blocks,
-        work=work, num_work=np.array([n_work], dtype=np.int32))
+        work=work, num_work=np.array([n_work], dtype=np.int32), **kernel)
     key = (layout, tb, rows, pages_key, ctx_key)
     return StepInputs(key, tokens, positions, md, last_idx)
+
+
+_NO_KERNEL_INPUTS = {
+    "kind_counts": np.zeros(2, np.int32), "dec_seqs": np.zeros((1, 1), np.int32),
+    "pf_blocks": np.zeros((1, 2), np.int32), "pf_q_rows": np.zeros((1, 1), np.int32),
+    "out_rows": np.zeros(1, np.int32)}
+
+
+def kernel_inputs(lens: np.ndarray, cu: np.ndarray, n: int, tb: int, rows: int,
+                  geometry: StepGeometry) -> dict[str, np.ndarray]:
+    """The ragged kernel's per-kind work: sequences of one query token are decode rows, the
+    others are cut into prefill query blocks of the table's size; `out_rows` maps every token
+    back from [decode outputs; prefill outputs; a zero row]. Shapes follow (tb, rows) alone."""
+    decode, prefill = geometry.kernel_blocks(tb)
+    dec_cap, pf_cap = block_counts(decode, prefill, tb, rows)
+    tq = prefill.q_tokens
+    zero_row = dec_cap + pf_cap * tq
+    out_rows = np.full(tb, zero_row, np.int32)
+    is_dec = lens == 1
+    dec = np.flatnonzero(is_dec).astype(np.int32)
+    dec_seqs = np.zeros(dec_cap, np.int32)
+    dec_seqs[:len(dec)] = dec
+    out_rows[cu[dec]] = np.arange(len(dec), dtype=np.int32)
+    pf = np.flatnonzero(~is_dec)
+    per_seq = -(-lens[pf] // tq)                        # query blocks of each prefill sequence
+    seq = np.repeat(pf, per_seq).astype(np.int32)
+    q0 = (np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * tq
+    nb = len(seq)
+    pf_blocks = np.zeros((pf_cap, 2), np.int32)
+    pf_blocks[:nb, 0], pf_blocks[:nb, 1] = seq, q0
+    rows_of = cu[seq][:, None] + q0[:, None] + np.arange(tq, dtype=np.int32)[None, :]
+    inside = rows_of < cu[seq + 1][:, None]
+    pf_q_rows = np.full((pf_cap, tq), tb, np.int32)
+    pf_q_rows[:nb] = np.where(inside, rows_of, tb)
+    slots = dec_cap + np.arange(nb * tq, dtype=np.int32).reshape(nb, tq)
+    out_rows[rows_of[inside]] = slots[inside]
+    return {"kind_counts": np.array([len(dec), nb], np.int32),
+            "dec_seqs": dec_seqs.reshape(-1, decode.seqs), "pf_blocks": pf_blocks,
+            "pf_q_rows": pf_q_rows, "out_rows": out_rows}
 
 
 def warmup_batches(geometry: StepGeometry, decode: bool = True,
