@@ -7,8 +7,10 @@ Startup: read the `ProcessContext`, apply the process's `cpu_affinity`, start uv
 (`/health` answers 503 "loading" meanwhile) and load the engine on a loader thread: mesh of
 `process.mesh.tp` devices, tokenizer, `ModelRunner` (+ warmup), scheduler (+ sampler warmup),
 scheduler thread (role `local`: `pdtopo.runtime.local.engine` builds several engines instead).
-Then `/health` turns 200. SIGTERM / SIGINT: uvicorn shuts down gracefully, then the scheduler
-thread is stopped (in-flight requests end with an abort).
+The attention path warmup settled on (the TPU kernel, or the gather path when Mosaic refused
+it: pdtopo.runtime.engine.attention_fallback) goes to /metrics. Then `/health` turns 200.
+SIGTERM / SIGINT: uvicorn shuts down gracefully, then the scheduler thread is stopped
+(in-flight requests end with an abort).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pdtopo.runtime.api.app import create_app
 from pdtopo.runtime.api.http_probe import HttpProtocol
 from pdtopo.runtime.api.state import ServerState
 from pdtopo.runtime.distributed import start_process
+from pdtopo.runtime.engine.attention_fallback import attention_label
 from pdtopo.runtime.engine.compilation_cache import enable_compilation_cache
 from pdtopo.runtime.model.tokenizer import load_tokenizer
 from pdtopo.runtime.settings import ProcessContext, direct_process_context, load_process_context
@@ -111,8 +114,10 @@ def load_engine(state: ServerState) -> None:
     builder = importlib.import_module(module).build_server_engine if module else build_engine
     runner, scheduler = builder(ctx, tokenizer, state.metrics)
     compiled = getattr(scheduler, "compile_count", runner.compile_count)()
-    log.info("engine loaded and warmed up in %.1fs (%d compiled step shapes)",
-             time.perf_counter() - t0, compiled)
+    paths = scheduler.attention_paths()  # after warmup: the kernel, or gather if it was refused
+    state.metrics.set_attention(paths)
+    log.info("engine loaded and warmed up in %.1fs (%d compiled step shapes; attention: %s)",
+             time.perf_counter() - t0, compiled, attention_label(paths))
     state.tokenizer, state.runner, state.scheduler = tokenizer, runner, scheduler
     scheduler.start()
     state.ready = True

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.operate.health import Row
@@ -29,21 +30,32 @@ def print_topology_error(err: TopologyError, con: Console | None = None) -> None
 def health_table(plan: Plan, rows: list[Row], title: str = "pdtopo launch",
                  kv_pools: dict[str, str] | None = None) -> Table:
     """The live launch table; `kv_pools` (program -> its KV pool, `plan.kv_pool`) adds a
-    column so the pool each instance gets shows before traffic does."""
+    column so the pool each instance gets shows before traffic does; once a server is healthy
+    and says which attention path it serves with (`Row.attention`), an attention column."""
     procs = plan.by_name()
     table = Table(title=title)
+    attention = any(row.attention for row in rows)
     for col in ("program", "role", "state", "pid", "health", "waited", "progress",
-                *(["KV pool"] if kv_pools else []), "health url"):
+                *(["KV pool"] if kv_pools else []), *(["attention"] if attention else []),
+                "health url"):
         table.add_column(col)
     for row in rows:
         proc = procs[row.name]
         style = STATE_STYLE.get(row.state, "")
         health = "[green]healthy[/]" if row.healthy else "[yellow]waiting[/]"
         pool = [kv_pools.get(row.name, "-")] if kv_pools else []
+        path = [_attention_cell(row.attention)] if attention else []
         table.add_row(row.name, proc.role, f"[{style}]{row.state}[/]" if style else row.state,
                       str(row.pid or "-"), health, f"{row.waited_s:.1f}s",
-                      row.progress or "-", *pool, proc.health_url)
+                      row.progress or "-", *pool, *path, proc.health_url)
     return table
+
+
+def _attention_cell(attention: str) -> Text | str:
+    """A fallback from the TPU kernel ("gather (pallas refused: ...)") shows in red."""
+    if not attention:
+        return "-"
+    return Text(attention, style="red" if "refused" in attention else "")
 
 
 def endpoints_text(plan: Plan, api_key_file: Path | None = None) -> list[str]:

@@ -13,8 +13,10 @@ names the load step, e.g. "loading weights 40/272 tensors", "compiled step shape
 in the row's progress. A P or D leader that turns healthy is handed to `announce` (the launcher
 adds it to the router's registry at once, `WorkerAnnouncer`) until that succeeds: the router
 itself retries its command-line workers with a back-off that grows by a second per attempt,
-so it would otherwise notice a server that took 30 s to load only seconds later. Returns a
-`WaitResult`.
+so it would otherwise notice a server that took 30 s to load only seconds later. A server that
+turns healthy is asked once which attention path it serves with (`attention_of`: its
+/pdtopo/state `attention`, e.g. "gather (pallas refused: ...)" when warmup fell back from the
+TPU kernel), shown in the row. Returns a `WaitResult`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,21 @@ def loading_detail(url: str, timeout: float = 2.0) -> str:
         return ""
 
 
+def attention_of(health_url: str, token: str | None = None, timeout: float = 2.0) -> str:
+    """The attention path a healthy server serves with (`attention` of its /pdtopo/state,
+    asked with the deployment token), or "" when it does not say or does not answer."""
+    base = health_url.rsplit("/", 1)[0]
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        req = urllib.request.Request(f"{base}/pdtopo/state", headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = json.loads(resp.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return ""
+    attention = body.get("attention") if isinstance(body, dict) else None
+    return str(attention) if attention else ""
+
+
 def router_workers_ready(base_url: str, expected: int, timeout: float = 2.0,
                          api_key: str | None = None) -> bool:
     """True once sglang-router lists `expected` healthy workers. The Rust router answers
@@ -100,6 +117,7 @@ class Row:
     exits: int = 0  # times it exited after running past startsecs (EXITED, or a new pid)
     ran: bool = False  # the current pid was seen RUNNING
     progress: str = ""  # what a loading server says it is doing (`loading_detail`)
+    attention: str = ""  # the attention path a healthy server serves with (`attention_of`)
 
 
 @dataclass
@@ -133,6 +151,7 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
                       workers_fn: Callable[[str, int], bool] | None = router_workers_ready,
                       detail_fn: Callable[[str], str] | None = loading_detail,
                       announce: Callable[[Any], bool] | None = None,
+                      attention_fn: Callable[[str], str] | None = None,
                       ) -> WaitResult:
     order = plan.start_order()
     rows = {p.name: Row(p.name) for p in order}
@@ -156,6 +175,8 @@ def wait_for_programs(plan: Plan, get_states: Callable[[], dict[str, tuple[str, 
                     row.progress = detail_fn(proc.health_url) or row.progress
                 if row.healthy:
                     row.progress = ""
+                    if attention_fn is not None and proc.role in LOADING_ROLES:
+                        row.attention = attention_fn(proc.health_url)
                 if row.healthy and proc.role == "proxy" and workers_fn is not None:
                     base = proc.health_url.rsplit("/", 1)[0]
                     row.healthy = workers_fn(base, proxy_worker_count(plan))

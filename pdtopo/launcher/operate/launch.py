@@ -28,6 +28,7 @@ from pdtopo.config.settings import group_settings
 from pdtopo.launcher.operate import display
 from pdtopo.launcher.operate.health import (
     WorkerAnnouncer,
+    attention_of,
     router_workers_ready,
     wait_for_programs,
 )
@@ -121,7 +122,8 @@ def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
                 on_update=lambda rows: live.update(display.health_table(plan, rows,
                                                                         kv_pools=pools)),
                 workers_fn=partial(router_workers_ready, api_key=api_key),
-                announce=_announcer(cfg, plan, api_key))
+                announce=_announcer(cfg, plan, api_key),
+                attention_fn=partial(attention_of, token=prepared.token))
         if not result.ok:
             con.print(f"[bold red]launch failed:[/] {result.reason}")
             con.rule(f"last lines of logs/{result.failed}.log")
@@ -135,6 +137,10 @@ def _launch_prepared(cfg: DictConfig, run_dir: Path, opts: LaunchOptions,
             return 1
         healthy_s = time.perf_counter() - started
         con.print(f"[bold green]all programs healthy[/] ({healthy_s:.1f} s after launch)")
+        for row in result.rows:  # warmup fell back from the TPU kernel (attention column)
+            if "refused" in row.attention:
+                con.print(f"  {row.name}: attention {row.attention} (logs/{row.name}.log)",
+                          style="red", markup=False, highlight=False)
         key_file = run_dir / API_KEY_FILE if uses_derived_key(plan) else None
         for line in display.endpoints_text(plan, key_file):
             con.print("  " + line, markup=False)

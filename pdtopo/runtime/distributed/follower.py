@@ -262,7 +262,8 @@ class Follower:
         return {"num_commands": self.num_commands, "num_forward": self.num_forward,
                 "control_curve": self.control.curve,
                 "pd_pulls": len(self.pulls),
-                "pd_registered_kv": self.engine.num_registered() if self.engine else 0}
+                "pd_registered_kv": self.engine.num_registered() if self.engine else 0,
+                "attention": self.runner.attention_path().label}
 
     def close(self) -> None:
         self._resolver.shutdown(wait=False, cancel_futures=True)

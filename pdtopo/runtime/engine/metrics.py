@@ -7,8 +7,12 @@ test process). The scheduler thread observes latencies and sets gauges after eac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pdtopo.runtime.engine.attention_fallback import AttentionPath
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
@@ -79,6 +83,11 @@ class EngineMetrics:
                                    registry=reg)
         self.requests = Counter("pdtopo:requests", "Finished requests by outcome",
                                 labelnames=["role", "finish"], registry=reg)
+        self.attention_info = Gauge(
+            "pdtopo:attention_info",
+            "The attention path serving (1): impl, the engine.attention_impl asked for, and why "
+            "auto fell back from the TPU kernel (empty if it did not)",
+            labelnames=["impl", "requested", "fallback_reason"], registry=reg)
         self._role = role
 
     def set_cache_hits(self, cached: int, looked_up: int) -> None:
@@ -97,6 +106,14 @@ class EngineMetrics:
         for direction in ("to_host", "to_device"):
             self.host_bytes.labels(direction=direction).inc(max(0, now[direction] - seen[direction]))
         self._host_seen = now
+
+    def set_attention(self, paths: Sequence[AttentionPath]) -> None:
+        """One `pdtopo:attention_info` series per distinct attention path of this process's
+        runners (several only in local mode)."""
+        self.attention_info.clear()
+        for p in paths:
+            self.attention_info.labels(impl=p.impl, requested=p.requested,
+                                       fallback_reason=p.fallback_reason or "").set(1)
 
     def request_finished(self, finish_type: str) -> None:
         self.requests.labels(role=self._role, finish=finish_type).inc()

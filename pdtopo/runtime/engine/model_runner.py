@@ -12,6 +12,8 @@ per sequence: prefill chunks (many tokens), decode chunks (one token) or a mix. 
      place); the result is float32 logits at each chunk's last token. A step that fails
      once the pool was donated leaves `kv_caches` deleted: the scheduler then ends the
      process (`pdtopo.runtime.engine.step_errors`).
+A TPU kernel that Mosaic refuses at warmup sends an `auto` runner to the gather path
+(`pdtopo.runtime.engine.attention_fallback`; `attention_path()` says which path serves).
 KV pool format (docs/architecture.md): 2*L arrays `[num_pages, page_size, kv_heads, head_dim]`
 ordered k_0, v_0, k_1, v_1, ..., sharded `P(None, None, "tp", None)`.
 """
@@ -42,6 +44,14 @@ from pdtopo.config.settings import (
 )
 from pdtopo.model_config.spec import ModelConfig, model_config_from_cfg
 from pdtopo.runtime.engine import attention as attn
+from pdtopo.runtime.engine.attention_fallback import (
+    KERNEL_NAME,
+    AttentionPath,
+    error_detail,
+    refusal_error,
+    shape_text,
+    short_reason,
+)
 from pdtopo.runtime.engine.pool_format import POOL_FORMAT
 from pdtopo.runtime.engine.sampling import penalty_slots_for, sampler_memory_bytes
 from pdtopo.runtime.engine.step_errors import StepFault
@@ -123,7 +133,10 @@ class ModelRunner:
         self.max_running_requests = engine.max_running_requests
         self.max_prefill_tokens = engine.max_prefill_tokens
         self.max_pages_per_seq = math.ceil(self.max_model_len / self.page_size)
+        self.requested_attention_impl = str(engine.attention_impl)
         self.attention_impl = attn.resolve_impl(engine.attention_impl, self.config.head_dim)
+        self.attention_fallback: str | None = None  # why auto left the kernel
+        self._sized_step_bytes: int | None = None  # step buffers a memory-sized pool left room for
         if self.attention_impl in attn.KERNEL_IMPLS:  # the checkpoint's shapes, this tp
             for _, _, why in tpu_kernel_budget.problems(
                     engine, self.config.num_kv_heads, self.config.num_heads,
@@ -136,11 +149,11 @@ class ModelRunner:
             page_size=self.page_size, max_pages=self.max_pages_per_seq,
             max_rows=bucket(self.max_running_requests),
             max_prefill_tokens=self.max_prefill_tokens, mixed=bool(engine.mixed_steps),
-            layout_kind="ragged" if self.attention_impl in attn.KERNEL_IMPLS else "paged")
+            layout_kind="ragged" if self.attention_impl in attn.KERNEL_IMPLS else "paged",
+            kernel_shape=self.kernel_shape())
         self._replicated = NamedSharding(mesh, P())
         self._transfer = StepTransfer(self._replicated)
-        self._programs = StepPrograms(self.config, mesh, self.attention_impl,
-                                      self.geometry.block_pages, self.kv_sharding)
+        self._programs = self._step_programs()
         self.num_pages = self._num_pages(engine)
         self.kv_caches: list[jax.Array] = self._allocate_pool()
         self._lock = threading.Lock()  # forward is single-owner; the lock guards misuse
@@ -153,6 +166,13 @@ class ModelRunner:
                  f"{self.kv_replication} devices)" if self.kv_replication > 1 else "")
 
     # ------------------------------------------------------------------ setup
+
+    def kernel_shape(self) -> tuple:
+        """One device's (q dtype, kv dtype, heads, kv heads, head_dim): the TPU kernel's block
+        table key (pdtopo.config.attention_blocks)."""
+        cfg = self.config
+        return (str(jnp.dtype(self.dtype)), str(jnp.dtype(self.kv_dtype)),
+                cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp, cfg.head_dim)
 
     def _load_params(self) -> llama.Params:
         if self.model_config.path:
@@ -182,6 +202,7 @@ class ModelRunner:
             limit = int(stats["bytes_limit"])
             free = limit - int(stats.get("bytes_in_use", 0))
             step, sampler = self.step_memory_bytes(), self.sampler_memory_bytes()
+            self._sized_step_bytes = step
             budget = min(fraction * limit, 0.95 * free) - step - sampler
             n = int(budget // self.page_bytes_per_device()) - self.reserve_pages
             log.info("KV pool sized from device memory: limit %.2f GiB, free %.2f GiB, the "
@@ -203,6 +224,45 @@ class ModelRunner:
                              "(page 0 is reserved padding)")
         return n
 
+    def _step_programs(self) -> StepPrograms:
+        return StepPrograms(self.config, self.mesh, self.attention_impl,
+                            self.geometry.block_pages, self.kv_sharding)
+
+    def attention_path(self) -> AttentionPath:
+        """The attention this runner serves with, as asked for, and why auto fell back."""
+        return AttentionPath(self.attention_impl, self.requested_attention_impl,
+                             self.attention_fallback)
+
+    def _kernel_refused(self, key: tuple, exc: Exception) -> None:
+        """Compiling (or first running) kernel step shape `key` raised `exc`: with
+        engine.attention_impl=auto switch to the gather path (paged layouts, new programs;
+        the caller compiles again), else fail the start (attention_fallback.py)."""
+        if self.requested_attention_impl != "auto":
+            raise refusal_error(self.requested_attention_impl, key, exc) from exc
+        log.error("attention: the TPU kernel %r (%s) failed to compile for step shape %s: %s; "
+                  "serving with the gather path instead (engine.attention_impl=auto)",
+                  KERNEL_NAME, self.attention_impl, shape_text(key), error_detail(exc))
+        self.attention_impl = "gather"
+        self.attention_fallback = short_reason(exc)
+        self.geometry = replace(self.geometry, layout_kind="paged")
+        self._programs = self._step_programs()
+        self._transfer = StepTransfer(self._replicated)  # drop the ragged keys' unpacking
+        pool = getattr(self, "kv_caches", None)
+        if pool is None:
+            return  # refused while sizing the pool: it is sized for the gather path
+        if any(a.is_deleted() for a in pool):  # a first run failed after taking the pool
+            for a in pool:
+                if not a.is_deleted():
+                    a.delete()
+            self.kv_caches = self._allocate_pool()  # warmup: nothing in it yet
+        if self._sized_step_bytes is not None:
+            need = self.step_memory_bytes()
+            if need > self._sized_step_bytes:
+                log.warning("attention: the KV pool was sized for the kernel's largest step "
+                            "(%.1f MiB of step buffers); the gather path's needs %.1f MiB: "
+                            "lower engine.kv_memory_fraction if steps run out of memory",
+                            self._sized_step_bytes / 2**20, need / 2**20)
+
     def _memory_stats(self) -> dict[str, Any] | None:
         """The tightest memory statistics over this process's devices of the mesh: the
         smallest limit and the smallest free memory (None where the backend keeps none)."""
@@ -218,8 +278,14 @@ class ModelRunner:
         pool = jax.ShapeDtypeStruct((2, self.page_size, self.config.num_kv_heads,
                                      self.config.head_dim), self.kv_dtype,
                                     sharding=self.kv_sharding)
-        return self._programs.memory_bytes(step.key, self.params, pool,
-                                           *self._abstract_inputs(step))
+        try:
+            return self._programs.memory_bytes(step.key, self.params, pool,
+                                               *self._abstract_inputs(step))
+        except Exception as exc:  # the kernel's first compile: Mosaic may refuse it
+            if self.attention_impl not in attn.KERNEL_IMPLS:
+                raise
+            self._kernel_refused(step.key, exc)
+            return self.step_memory_bytes()  # the gather path's
 
     def sampling_row_counts(self) -> set[int]:
         """Every row count of the padded logits the scheduler samples from: the largest batch
@@ -384,23 +450,38 @@ class ModelRunner:
         inputs' shapes alone; the smallest shape of each layout also runs once (on the
         reserved page 0 only), so the whole step path is exercised before serving. Without
         decode shapes every later batch runs in the flat layout (`StepGeometry.decode_layout`),
-        so one-token chunks (a prompt cached but for its last token) compile nothing either."""
+        so one-token chunks (a prompt cached but for its last token) compile nothing either.
+        A kernel step shape that fails to compile or run (Mosaic's refusal) switches an
+        engine.attention_impl=auto runner to the gather path, whose shapes are then warmed
+        up instead; the kernel asked for by name fails the start (`_kernel_refused`)."""
         if not decode:
             self.geometry = replace(self.geometry, decode_layout=False)
         steps = warmup_steps(self.geometry, decode, prefill)
         t0 = time.perf_counter()
         for n, step in enumerate(steps, 1):
-            with self._lock:
-                took = self._programs.compile(step.key, self.params, self.kv_caches,
-                                              *self._abstract_inputs(step))
-                self._transfer.compile(step.key, _host_inputs(step))
+            try:
+                with self._lock:
+                    took = self._programs.compile(step.key, self.params, self.kv_caches,
+                                                  *self._abstract_inputs(step))
+                    self._transfer.compile(step.key, _host_inputs(step))
+            except Exception as exc:  # Mosaic may refuse the kernel for any shape
+                if self.attention_impl not in attn.KERNEL_IMPLS:
+                    raise
+                self._kernel_refused(step.key, exc)
+                return self.warmup(decode, prefill)  # the gather path's shapes
             log.info("compiled step shape %d/%d %s in %.2fs", n, len(steps),
                      "/".join(str(k) for k in step.key[:3]), took)
         ran: set[str] = set()
         for step in steps:
             if step.key[0] not in ran:  # the first of each layout is its smallest
                 ran.add(step.key[0])
-                jax.block_until_ready(self._run(step))
+                try:
+                    jax.block_until_ready(self._run(step))
+                except Exception as exc:
+                    if self.attention_impl not in attn.KERNEL_IMPLS:
+                        raise
+                    self._kernel_refused(step.key, exc)
+                    return self.warmup(decode, prefill)
         log.info("warmup: %d step shapes compiled, %d run, in %.1fs", len(steps), len(ran),
                  time.perf_counter() - t0)
         self._warmed = True

@@ -3,8 +3,9 @@ the `Scheduler` like overlap.py).
 
 Data flow. The scheduler thread bumps the counters as it works (`num_forward`,
 `num_generated`, ...) and calls `publish_stats()` once per step: one dict built from the
-counters, the queues, the pool (kv_pages.py) and the role mixins' `extra_stats()`, swapped in
-under a lock, and the Prometheus gauges (metrics.py) set from it. HTTP handlers read the
+counters, the queues, the pool (kv_pages.py), the runner's attention path (`attention`, e.g.
+"gather (pallas refused: ...)": attention_fallback.py) and the role mixins' `extra_stats()`,
+swapped in under a lock, and the Prometheus gauges (metrics.py) set from it. HTTP handlers read the
 latest dict with `stats()` (/pdtopo/state, /get_load).
 """
 
@@ -14,6 +15,8 @@ import threading
 import time
 from collections import deque
 from typing import Any
+
+from pdtopo.runtime.engine.attention_fallback import AttentionPath, attention_label
 
 EVICTABLE_REFRESH_S = 0.5  # how often a busy scheduler recounts the pages only its cache holds
 
@@ -60,6 +63,12 @@ class StatsMixin:
             self._evictable = (now, cache.num_evictable())
         return min(self._evictable[1], cache.num_pages)
 
+    def attention_paths(self) -> list[AttentionPath]:
+        """The attention the runner serves with (after warmup: the kernel, or the gather path
+        auto fell back to); empty for a runner that does not say."""
+        path = getattr(self.runner, "attention_path", None)
+        return [path()] if path is not None else []
+
     def extra_stats(self) -> dict[str, Any]:
         """More counters for the same snapshot (the PD mixins add theirs)."""
         return {}
@@ -99,6 +108,7 @@ class StatsMixin:
             "page_problems": None if self.reqs else self.pages.idle_problems(),
             "gen_throughput": tput,
             "alive": self.alive,
+            "attention": attention_label(self.attention_paths()),
             **self.extra_stats(),
         }
         with self._stats_lock:  # one replacement: a reader never sees half of a snapshot

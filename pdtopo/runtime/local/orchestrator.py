@@ -12,7 +12,8 @@ each with its own lock. Nothing else crosses threads.
 
 Facade (thread-safe, called from the HTTP event loop): `submit(req)` (round robin over prefill
 engines), `abort(rid)` (marked on the board, sent to every engine), `check_fits`, `stats()`
-(process totals plus `engines`: every engine's pool and queues), `alive`, `warmup()`,
+(process totals plus `engines`: every engine's pool and queues; `attention`: the engines'
+distinct attention paths), `alive`, `warmup()`,
 `start()`, `stop()`, `flush_caches()`.
 """
 
@@ -24,6 +25,7 @@ import queue
 import threading
 from typing import Any
 
+from pdtopo.runtime.engine.attention_fallback import AttentionPath, attention_label
 from pdtopo.runtime.engine.request import FinishReason
 from pdtopo.runtime.local.board import DecodeLoad, RequestBoard
 from pdtopo.runtime.local.transfer import TransferItem, TransferWorker
@@ -71,6 +73,10 @@ class LocalOrchestrator:
 
     def compile_count(self) -> int:
         return sum(e.runner.compile_count() for e in self.engines)
+
+    def attention_paths(self) -> list[AttentionPath]:
+        """Every engine's attention path (each runner may fall back on its own)."""
+        return [p for e in self.engines for p in e.attention_paths()]
 
     def _crash(self, name: str, exc: BaseException) -> None:
         with self._crash_lock:
@@ -160,6 +166,7 @@ class LocalOrchestrator:
             "prefix_cache": any(s.get("prefix_cache") for s in per.values()),
             "num_reqs": self.board.num_live(),
             "alive": self.alive,
+            "attention": attention_label(self.attention_paths()),
             "crashed_threads": list(self._crashed),
             "local_transfer_backlog": self.transfer_backlog.qsize(),
             "local_transfer_backlog_capacity": self.transfer_backlog.maxsize,
