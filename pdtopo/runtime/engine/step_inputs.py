@@ -42,11 +42,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pdtopo.config.attention_blocks import KernelBlocks, block_counts, blocks_for
-from pdtopo.config.tpu_kernel_budget import CONTEXT_BLOCK_TOKENS
+from pdtopo.config.tpu_kernel_budget import TABLE_BLOCK_TOKENS
 
-# CONTEXT_BLOCK_TOKENS: context tokens attention reads per block (a block holds
-# max(1, CONTEXT_BLOCK_TOKENS // page_size) pages); defined beside the kernel's memory budget,
-# which depends on it
+# context tokens the gather path reads per block (a block holds
+# max(1, CONTEXT_BLOCK_TOKENS // page_size) pages); ragged page tables are as wide as the
+# longest request in whole blocks of this size too (the kernel's SMEM budget counts them so)
+CONTEXT_BLOCK_TOKENS = TABLE_BLOCK_TOKENS
 
 LAYOUTS = ("decode", "flat", "ragged")
 
