@@ -131,3 +131,108 @@ def test_overlap_schedule_gives_the_synchronous_outputs(sched, sp):
         got = overlapped[rid][2]
         assert [[t for t, _ in top] for _, top in got] == [[t for t, _ in top] for _, top in lps]
         np.testing.assert_allclose([lp for lp, _ in got], [lp for lp, _ in lps], atol=1e-5)
+
+
+def run_loaded(s: Scheduler, reqs: list[Req], late: list[Req] = (),
+               abort: str | None = None) -> tuple[dict[str, tuple], dict]:
+    """`run_stepped` over a backlog, counting the steps: decode steps run, steps dispatched
+    ahead, of which with a request waiting and with a penalised row, and per request the step
+    that emitted its first token (`first`). `abort`: that request is aborted once it has
+    emitted two tokens and a step dispatched ahead holds its row. Returns per request (ids,
+    finish reason, every output) and the counts."""
+    for r in reqs:
+        s.submit(r)
+    n = {"decode": s.num_decode_steps, "ahead": s.num_overlapped_steps, "waiting": 0,
+         "penalised": 0, "aborted": 0, "first": {}}
+    steps = 0
+    while s.has_work() or not s.inbox.empty() or (late and steps <= 5):
+        if steps == 5:
+            for r in late:
+                s.submit(r)
+        ahead = s.num_overlapped_steps
+        s.step()
+        steps += 1
+        assert steps < 3000
+        for r in [*reqs, *late]:
+            if r.num_emitted and r.rid not in n["first"]:
+                n["first"][r.rid] = steps
+        if s.num_overlapped_steps > ahead:  # the step in flight was dispatched before landing
+            n["waiting"] += bool(s.waiting)
+            n["penalised"] += any(r.sampling.penalised for r in s.in_flight.reqs)
+            victim = next((r for r in s.in_flight.reqs if r.rid == abort), None)
+            if victim is not None and not n["aborted"] and victim.num_emitted >= 2:
+                s.abort(abort)  # drained by the next step, its row in flight
+                n["aborted"] = steps
+    n["decode"] = s.num_decode_steps - n["decode"]
+    n["ahead"] = s.num_overlapped_steps - n["ahead"]
+    s.publish_stats()
+    out = {}
+    for r in [*reqs, *late]:
+        outs = []
+        while not r.sink.queue.empty():
+            outs.append(r.sink.queue.get_nowait())
+        out[r.rid] = ([t for o in outs for t in o.new_token_ids], outs[-1].finish_reason, outs)
+    st = s.stats()
+    assert not baseline_problems(st) and st["num_reqs"] == 0, baseline_problems(st)
+    return out, n
+
+
+def stop_string(tokenizer, ids: list[int]) -> tuple[str, int]:
+    """A one-character stop string that first appears with output token k >= 2 (and k)."""
+    for k in range(2, len(ids) - 1):
+        before, text = tokenizer.decode(ids[:k]), tokenizer.decode(ids[:k + 1])
+        new = text[len(before):] if text.startswith(before) else ""
+        if new[:1].isprintable() and new[:1] and new[0] not in before:
+            return new[0], k
+    raise AssertionError(f"no stop string in {ids}")
+
+
+@pytest.mark.parametrize("sp", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_overlap_under_load_gives_the_synchronous_outputs(sched, sp):
+    """Under load: more requests than engine.max_running_requests (some always wait), every
+    other one penalised, one ending on a stop string, one aborted mid-stream, late arrivals.
+    The overlapped loop gives the synchronous loop's tokens and finish reasons, emits nothing
+    of the aborted request after its abort, and keeps dispatching ahead while requests wait
+    and with penalised rows in the step (before issue 48 it switched off for both)."""
+    def batch(stop: dict[int, str] | None = None) -> tuple[list[Req], list[Req]]:
+        reqs = []
+        for i, p in enumerate(prompts()):
+            params = SamplingParams(max_new_tokens=8 + i % 4, ignore_eos=True, **sp)
+            if i % 2:
+                params.presence_penalty, params.frequency_penalty = 0.5, 0.3
+                params.repetition_penalty = 1.3
+            if stop and i in stop:
+                params.stop = [stop[i]]
+            reqs.append(Req(rid=f"l{i}", prompt_ids=p, sampling=params, sink=QueueSink()))
+        return reqs[:6], reqs[6:]
+
+    max_running = sched.max_running
+    sched.max_running = 3  # 8 requests: a backlog until the last ones are admitted
+    try:
+        sched.overlap = False
+        first, _ = run_loaded(sched, *batch())
+        stop, k = stop_string(sched.tokenizer, first["l3"][0])
+        sync, sync_n = run_loaded(sched, *batch({3: stop}))
+        assert sync["l3"][1] == {"type": "stop", "matched": stop}
+        assert len(sync["l3"][0]) == k + 1 < len(first["l3"][0])
+        sched.overlap = True
+        ahead, n = run_loaded(sched, *batch({3: stop}), abort="l0")
+    finally:
+        sched.max_running = max_running
+        sched.overlap = True
+    assert {r: v[:2] for r, v in ahead.items() if r != "l0"} == {
+        r: v[:2] for r, v in sync.items() if r != "l0"}
+    ids, reason, outs = ahead["l0"]
+    assert n["aborted"] and reason["type"] == "abort", (n, reason)
+    assert 2 <= len(ids) < len(sync["l0"][0]) and ids == sync["l0"][0][:len(ids)]
+    # the abort's output is the last, and carries no token: none emitted after the abort
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert outs[-1].new_token_ids == []
+    # the overlap ran under the backlog and with penalised rows
+    assert n["ahead"] >= 0.6 * n["decode"], n
+    assert n["waiting"] >= 5 and n["penalised"] >= 5, n
+    # and a waiting request starts as soon as it can: at most one step after the synchronous
+    # loop starts it (the step in flight when a request ends on an unforeseen token lands first)
+    late_by = {r: n["first"][r] - sync_n["first"][r] for r in sync_n["first"]}
+    assert max(late_by.values()) <= 1, late_by

@@ -12,6 +12,9 @@ page tables (`req.page_ids`) and how far their KV is computed (`req.num_computed
                              preempted
     alloc(n)              -> n pages for a request (ensure_free first)
     match(req)            -> a request holding no KV starts at its longest cached prefix
+    admits(req, reserve)  -> whether the scheduler's admission of `req` would find its pages
+                             now (match, then ensure_free(need + reserve)), with nothing
+                             matched, evicted or taken: the overlapped loop's test (overlap.py)
     release(req, keep)    -> a request lets its pages go: its full computed pages offered to the
                              cache first (`keep`: `keeps_kv(req)`, a request that ended well
                              or was preempted), then its references dropped
@@ -53,6 +56,7 @@ class KVPages:
         self.cache = cache
         self.page_size = page_size
         self._checked: tuple[int, list[str]] = (-1, [])  # (allocator version, idle problems)
+        self._evictable: tuple[int, int] = (-1, 0)  # (allocator holders_version, tree-only pages)
 
     @property
     def host(self) -> HostKVTier | None:
@@ -84,6 +88,28 @@ class KVPages:
         req.num_computed = len(pages) * self.page_size
         if not req.num_preemptions:  # what the client sees: the prompt's hit on arrival
             req.cached_tokens = min(req.num_computed, len(req.prompt_ids))
+
+    def admits(self, req: Req, reserve: int) -> bool:
+        """Whether `match(req)` then `ensure_free(need + reserve)` would succeed now (`need`:
+        the pages `req` lacks for its whole sequence after its cached prefix), changing
+        nothing. The cache's pages that only it holds count as free (ensure_free evicts them),
+        except those of `req`'s own prefix (match takes them first); that count walks the tree,
+        so it is redone only after some page's holders changed."""
+        cached = self.cache.peek(req.all_ids, (req.seq_len - 1) // self.page_size) if (
+            self.cache is not None and not req.page_ids) else []
+        need = self.pages_for(req.seq_len) - len(req.page_ids) - len(cached)
+        if need <= 0:
+            return True
+        short = need + reserve - self.allocator.num_free
+        if short <= 0:
+            return True
+        if self.cache is None:
+            return False
+        version = self.allocator.holders_version
+        if self._evictable[0] != version:
+            self._evictable = (version, self.cache.num_evictable())
+        refcount = self.allocator.refcount
+        return self._evictable[1] - sum(1 for p in cached if refcount(p) == 1) >= short
 
     def release(self, req: Req, keep: bool) -> None:
         """Give up a request's pages: offer its full computed pages to the prefix cache first

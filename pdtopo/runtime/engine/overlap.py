@@ -16,14 +16,33 @@ Data flow (`OverlapMixin`, mixed into the `Scheduler`; `engine.overlap_schedule`
                (`launch`: dispatched, landed by the next step) and any other batch runs whole
                (`run_batch`)
 
-A continuation needs: no request waiting (an arrival goes through `schedule` after the
-landing), the running set equal to the in-flight step's requests (D adding a request, a
-preemption: synchronous), no penalised row (their device counts are rebuilt from host ids),
-and free pages for every request to grow without preempting. A request whose pending token is
-certainly its last (max_new_tokens, the context length) is left out; one that finishes on its
-pending token anyway (EOS, a stop string) had one more token computed, which is dropped: its
-pages are freed after the dispatch, and the device runs steps in order, so the stale write lands
-before any later owner of those pages writes them. Outputs equal the synchronous loop's.
+A continuation needs the running set equal to the in-flight step's live requests (D adding a
+request, a preemption: synchronous; a request aborted or finished since has no row), and free
+pages for every request to grow without preempting. Load does not stop it:
+
+- waiting requests: the scheduler's `can_admit` asks, without side effects, whether
+  `schedule()` would start the queue's head now (a free row, counting out the requests that
+  certainly end on their pending token; its pages after its cached prefix; a mixin's
+  `may_start`). If so the step lands first and the synchronous path admits and prefills it
+  (decoding ahead resumes at the next decode step); if not (running == max_running_requests,
+  no pages, a mixin's hold) the running requests decode ahead and it waits, asked again
+  at every step. A row freed by a foreseen end (length) is counted before the landing, so the
+  request starts at the same step as in the synchronous loop, and so does one freed by an
+  abort (the inbox is drained before the continuation is formed); one freed by an end found
+  when step N lands (EOS, a stop string) has step N+1 in flight already: the request starts
+  once that lands, one decode step later than in the synchronous loop.
+- penalised rows: their counts live on the device (penalties.py) and the sampling program
+  adds each sampled token to them, so the continuation's sample sees the in-flight token
+  there. Only a row whose slot would be built now (from host ids that lack that token: the
+  slot was given to another request) stops it (`Sampler.has_counts`).
+
+A request whose pending token is certainly its last (max_new_tokens, the context length) is
+left out; one that finishes on its pending token anyway (EOS, a stop string), or is aborted
+while the continuation is in flight, had one more token computed, which is dropped (`land`
+skips finished requests: nothing of theirs is emitted after their end): its pages are freed
+when it ends, and the device runs steps in order, so the stale write lands before any later
+owner of those pages writes them (the write is at the request's position num_computed, past
+the full pages the prefix cache may adopt from it). Outputs equal the synchronous loop's.
 """
 
 from __future__ import annotations
@@ -63,8 +82,7 @@ class OverlapMixin:
 
     def may_launch(self, batch) -> bool:
         """Whether a scheduled batch may be left in flight (landed by the next step)."""
-        return (self.overlap and batch.kind == "decode"
-                and not any(r.sampling.penalised for r in batch.reqs))
+        return self.overlap and batch.kind == "decode"
 
     def dispatch_step(self, reqs: list[Req], chunks: list, kind: str, feed: tuple | None = None,
                       ahead: int = 0) -> PendingSample | None:
@@ -99,15 +117,24 @@ class OverlapMixin:
             self.in_flight = InFlight(list(batch.reqs), sample)
 
     def continuing(self, flight: InFlight) -> list[tuple[int, Req]]:
-        """(row, request) of the in-flight requests the next step continues ([]: none or the
-        next step is not a pure continuation)."""
-        if self.waiting or {id(r) for r in self.running} != {id(r) for r in flight.reqs}:
-            return []
-        if any(r.sampling.penalised for r in flight.reqs):
-            return []
-        return [(i, r) for i, r in enumerate(flight.reqs)
+        """(row, request) of the in-flight requests the next step continues ([]: none, or the
+        next step must be formed after the landing: synchronous)."""
+        live = [r for r in flight.reqs if not r.finished]  # aborted since: no row, freed
+        if {id(r) for r in self.running} != {id(r) for r in live}:
+            return []  # D added a request, or one was preempted: schedule() forms the step
+        rows = [(i, r) for i, r in enumerate(flight.reqs)
                 if not r.finished and len(r.output_ids) + 1 < r.sampling.max_new_tokens
                 and r.seq_len + 1 < self.max_model_len]
+        if not rows:
+            return []
+        # a waiting request that can start now (or once the requests certainly ending on
+        # their pending token are gone) is admitted after the landing; one that cannot
+        # (no free row, no pages) waits while the running ones decode ahead
+        if self.waiting and self.can_admit(leaving=len(live) - len(rows)):
+            return []
+        if any(r.sampling.penalised and not self.sampler.has_counts(r.serial) for _, r in rows):
+            return []  # its counts would be built from host ids that lack the pending token
+        return rows
 
     def run_ahead(self, flight: InFlight) -> InFlight | None:
         rows = self.continuing(flight)
@@ -134,6 +161,7 @@ class OverlapMixin:
         if result is None:
             return
         self.num_forward += 1
+        self.num_decode_steps += 1
         for i, req in enumerate(flight.reqs):
             if req.finished:
                 continue  # aborted, or finished on the token before: this one is dropped

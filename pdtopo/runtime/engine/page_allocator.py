@@ -26,6 +26,7 @@ class PageAllocator:
         self._free: deque[int] = deque(range(1, num_pages))
         self._refs: dict[int, int] = {}   # page -> holders (only pages in use)
         self.version = 0                  # bumped by every change (callers cache checks on it)
+        self.holders_version = 0          # bumped when holders change other than by alloc
 
     @property
     def num_total(self) -> int:
@@ -69,6 +70,7 @@ class PageAllocator:
         for p in pages:
             self._refs[p] += 1
         self.version += 1
+        self.holders_version += 1
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference of each page; pages left without holders become free."""
@@ -84,8 +86,10 @@ class PageAllocator:
                 del self._refs[p]
                 self._free.append(p)
         self.version += 1
+        self.holders_version += 1
 
     def reset(self) -> None:
         self._free = deque(range(1, self.num_pages))
         self._refs.clear()
         self.version += 1
+        self.holders_version += 1

@@ -79,6 +79,10 @@ class PenaltyTables:
             out[i] = slot
         return out
 
+    def holds(self, serial: int) -> bool:
+        """Whether request `serial` has a slot (its counts live on the device)."""
+        return serial in self._slot_of
+
     def release(self, serial: int) -> None:
         slot = self._slot_of.pop(serial, None)
         if slot is not None:

@@ -124,6 +124,18 @@ class PrefixCache:
             pages += self._load(on_host)
         return pages
 
+    def peek(self, tokens: Sequence[int], max_pages: int) -> list[int]:
+        """The device pages `match` would hand out for `tokens` now, without taking them, loading
+        host-only pages (those need fresh pages, as if uncached) or touching the LRU order."""
+        node, pages = self._root, []
+        for key in self._blocks(tokens, min(max_pages, len(tokens) // self.page_size)):
+            node = node.children.get(key)
+            if node is None:
+                break
+            if node.page is not None:
+                pages.append(node.page)
+        return pages
+
     def _load(self, nodes: list[_Node]) -> list[int]:
         """Give host-only `nodes` (a run below device pages the caller holds) device pages
         and dispatch their load; returns those pages, referenced for the caller."""

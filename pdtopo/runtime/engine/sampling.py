@@ -301,6 +301,13 @@ class Sampler:
             out = {"tokens": out["tokens"]}
         return PendingSample(out, n)
 
+    def has_counts(self, serial: int) -> bool:
+        """Whether a request (`Req.serial`) has its penalty counts on the device: a step
+        sampled for it since it took its slot, and the slot was not given to another since.
+        The program adds each sampled token there, so a step dispatched before the last one's
+        tokens are read back sees them; a slot built now would be built from the host's ids."""
+        return self.tables is not None and self.tables.holds(serial)
+
     def release(self, serial: int) -> None:
         """A request (`Req.serial`) left this scheduler: free its penalty slot, if any."""
         if self.tables is not None:

@@ -38,9 +38,10 @@ token sampled: by default `process_new_token`, then `add_to_running`; P sends KV
 instead), `add_to_running(req)` (D's path for a request whose prompt KV it pulled into pages it
 owns: `process_new_token(req, first_token)`, then this unless that finished it),
 `make_prefix_cache(eng)` (D keeps none by default), `may_start(req)` (P: its budget of held KV
-copies; a refusal keeps it and those behind it waiting), and the loop itself: `has_work()`,
-`schedule()`, `step()`, `event_loop()`, `idle_wait()` (mixins with their own queues poll them
-in `step()` and report pending work in `has_work()`). Helpers: `alloc_pages(n)`,
+copies; a refusal keeps it and those behind it waiting; the overlapped loop's `can_admit` asks
+it too), and the loop itself: `has_work()`, `schedule()`, `step()`, `event_loop()`,
+`idle_wait()` (mixins with their own queues poll them in `step()` and report pending work in
+`has_work()`). Helpers: `alloc_pages(n)`,
 `ensure_free(n)`, `pages_for(num_tokens)`, `make_chunk(...)`, `emit(req)`, `page_problems()`
 (docs/prefix-cache.md). Requests carry `bootstrap_host/port/room` untouched for the mixins.
 """
@@ -319,6 +320,26 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
             budget -= len(tokens)
         return batch if batch.reqs else None
 
+    def can_admit(self, leaving: int = 0) -> bool:
+        """Whether `schedule()` would start a waiting request's prompt now, were `leaving` of
+        the running requests gone: `schedule_prefill`'s test of the queue's head (FCFS: when
+        the head waits, all do), without matching, evicting or taking pages. The overlapped
+        loop asks it before dispatching a continuation (overlap.py): yes lands the step in
+        flight first and admits; no (no free row, no pages, a mixin's hold) keeps decoding
+        ahead while the request waits. `may_start` is asked as schedule_prefill asks it."""
+        if not self.waiting:
+            return False
+        running = len(self.running) - leaving
+        if running >= self.max_running:
+            return False
+        if (self.mixed_steps and running >= self.max_prefill_tokens
+                and self.prefill_backlog() > self.max_prefill_tokens):
+            return False  # schedule_mixed: the decode rows leave no prompt budget
+        req = self.waiting[0]
+        if self.awaits_leader(req) or not self.may_start(req):
+            return False
+        return self.pages.admits(req, reserve=running)
+
     def awaits_leader(self, req: Req) -> bool:
         """Whether an n > 1 follower must wait: its leader (the first completion of the same
         prompt) is still waiting for its prefill here, and a prefix cache will hold the
@@ -373,6 +394,7 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
             return
         self.num_forward += 1
         self.num_mixed_steps += batch.kind == "mixed"
+        self.num_decode_steps += batch.kind == "decode"
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue

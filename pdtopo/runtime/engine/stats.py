@@ -40,7 +40,8 @@ class StatsMixin:
         self.num_generated = 0
         self.num_prefill_tokens = 0
         self.num_mixed_steps = 0      # steps that carried decodes and prompt chunks together
-        self.num_overlapped_steps = 0  # steps dispatched before the previous one landed
+        self.num_decode_steps = 0     # decode-only steps run (synchronous, launched or ahead)
+        self.num_overlapped_steps = 0  # of which dispatched before the previous one landed
         self.num_preemptions = 0
         self.num_cached_tokens = 0    # prompt tokens whose KV came from the prefix cache
         self._tput_window: deque[tuple[float, int]] = deque()
@@ -95,6 +96,7 @@ class StatsMixin:
             "num_generated": self.num_generated,
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_mixed_steps": self.num_mixed_steps,
+            "num_decode_steps": self.num_decode_steps,
             "num_overlapped_steps": self.num_overlapped_steps,
             "num_preemptions": self.num_preemptions,
             "prefix_cache": self.prefix_cache is not None,
