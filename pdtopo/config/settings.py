@@ -1,7 +1,7 @@
 """Typed settings of the config groups: the runtime groups engine, kernels, disaggregation,
-local, bootstrap, server and launcher, and the `bench` and `tune` nodes (their dataclasses live
-in pdtopo.bench.settings and pdtopo.tune.settings). OmegaConf structured configs, like the
-topology schema.
+local, bootstrap, server and launcher, and the `bench`, `tune` and `planner` nodes (their
+dataclasses live in pdtopo.bench.settings, pdtopo.tune.settings and pdtopo.planner.settings).
+OmegaConf structured configs, like the topology schema.
 
 Defaults live in one place, conf/ (conf/config.yaml, conf/bench/default.yaml): every field of
 these dataclasses is required (`MISSING`), so a composed config supplies it and code never
@@ -61,6 +61,9 @@ FAULT_THREADS = ("scheduler", "side_channel", "kv_sweep", "bootstrap_keeper", "l
 ARRIVALS = ("poisson", "fixed")          # bench.arrival
 WORKLOADS = ("synthetic", "multiturn", "chat")   # bench.workload
 TUNE_KINDS = ("colocated", "dp", "pd")   # tune.kinds: the candidate families
+PLANNER_MODES = ("act", "recommend")     # planner.mode
+CAPACITY_SOURCES = ("live", "profile", "auto")   # planner.capacity.source
+SLO_PERCENTILES = (50, 90, 99)           # planner.slo.percentile (bench's p50 / p90 / p99)
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,22 @@ RULES: dict[str, Rule] = {
     "tune.kinds": ((lambda v: len(v) > 0 and all(k in TUNE_KINDS for k in v)),
                    f"a non-empty list of {', '.join(TUNE_KINDS)}"),
     "tune.dir": ((lambda v: bool(v)), "a directory path"),
+    # pdtopo.planner.settings.PlannerSettings (the bounds' min <= max: checked there)
+    "planner.mode": _one_of(PLANNER_MODES),
+    "planner.interval_s": _number(lambda v: v >= 0.1, "a number of seconds >= 0.1"),
+    "planner.chips": _OPTIONAL_AT_LEAST_1,
+    "planner.prefill.min": _at_least(1),
+    "planner.prefill.max": _OPTIONAL_AT_LEAST_1,
+    "planner.decode.min": _at_least(1),
+    "planner.decode.max": _OPTIONAL_AT_LEAST_1,
+    "planner.slo.ttft_ms": _SLO_MS,
+    "planner.slo.itl_ms": _SLO_MS,
+    "planner.slo.percentile": ((lambda v: v in SLO_PERCENTILES and not isinstance(v, bool)),
+                               f"one of {', '.join(map(str, SLO_PERCENTILES))}"),
+    "planner.hysteresis.min_change_interval_s": _number(lambda v: v >= 0, "a number >= 0"),
+    "planner.hysteresis.margin": _FRACTION_BELOW_1,
+    "planner.hysteresis.backoff_s": _number(lambda v: v >= 0, "a number >= 0"),
+    "planner.capacity.source": _one_of(CAPACITY_SOURCES),
 }
 
 

@@ -46,7 +46,10 @@ from pdtopo.tune.search import find_max_rate
 from pdtopo.tune.settings import TuneSettings
 from pdtopo.tune.store import ResultStore, run_key
 
-STATS_KEPT = ("requests", "request_throughput", "ttft_ms", "itl_ms", "e2e_ms", "goodput")
+# what a rate's record keeps of the bench stats; with the workload's lengths beside them they
+# are also the per-instance capacity profile the live planner reads (pdtopo/planner/profile.py)
+STATS_KEPT = ("requests", "request_throughput", "input_token_throughput",
+              "output_token_throughput", "ttft_ms", "itl_ms", "e2e_ms", "goodput")
 
 
 class LaunchFailed(RuntimeError):
@@ -116,7 +119,9 @@ def _measure(out: Outcome, deployed: Deployed, bench: BenchSettings, store: Resu
                                 api_key=deployed.api_key)
             stats = metrics["stats"]
             record = {"rate": rate, "goodput": (stats.get("goodput") or {}).get("fraction") or 0.0,
-                      "stats": {k: stats.get(k) for k in STATS_KEPT}, "at": time.time()}
+                      "stats": {k: stats.get(k) for k in STATS_KEPT},
+                      "workload": {"input_len": bench.input_len, "output_len": bench.output_len},
+                      "at": time.time()}
             store.save_rate(cand, out.key, rate, record)
         out.records[rate] = record
         g = float(record["goodput"])

@@ -9,9 +9,11 @@ Layout under `tune.dir`: runs/<candidate slug>-<key>/rate_<rate>.json (one bench
 goodput fraction and stats) and launch.json (launch time, or the error of a launch that
 failed: the candidate is then skipped on reruns; delete the file to try it again). The key is
 a hash of the candidate's composed config without what does not change a result (the request
-rate, which has its own file; ports and placements; launcher and tune settings; progress and
-output switches), so a changed workload, model or engine setting never reuses an old result.
-Files are written whole (temp file, then rename): a kill leaves finished steps only.
+rate, which has its own file; ports and placements; launcher, tune and planner settings;
+progress and output switches), so a changed workload, model or engine setting never reuses an
+old result. Each rate's record also keeps the workload's lengths and token throughputs: the
+capacity profile pdtopo/planner/profile.py reads. Files are written whole (temp file, then
+rename): a kill leaves finished steps only.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pdtopo.tune.candidates import Candidate
 
-_UNKEYED = {"tune": None, "launcher": None, "hydra": None, "sweep": None,
+_UNKEYED = {"tune": None, "launcher": None, "hydra": None, "sweep": None, "planner": None,
             "bench": ("request_rate", "progress", "output"),
             "topology": ("ports", "bootstrap", "proxy", "name")}
 

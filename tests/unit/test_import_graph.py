@@ -2,7 +2,8 @@
 and under `if TYPE_CHECKING:` included: an annotation-only import still ties two modules into a
 loop): no cycles between modules, nor between the top-level rooms; the engine knows nothing of
 disaggregation, local mode, HTTP or multi-process instances; the launcher uses no runtime
-internals and the benchmark package nothing of the launcher; the launcher's sub-packages import
+internals and the benchmark package nothing of the launcher; the planner's pure core
+nothing of the runtime, the launcher or tune; the launcher's sub-packages import
 one way (plan <- render <- operate <- programs) and only the CLI imports the launch job;
 disaggregation's transport never imports its roles and its reshard imports transport at most;
 the runtime's top level keeps at most four modules; no module under pdtopo/ runs past 600
@@ -131,6 +132,8 @@ def test_no_import_cycles():
     ("pdtopo.launcher", ("pdtopo.runtime",)),
     ("pdtopo.config", ("pdtopo.runtime", "pdtopo.launcher", "pdtopo.bench")),
     ("pdtopo.bench", ("pdtopo.runtime", "pdtopo.launcher", "pdtopo.tune")),
+    # the live planner's core is pure: the planner program (launcher) feeds it and acts
+    ("pdtopo.planner", ("pdtopo.runtime", "pdtopo.launcher", "pdtopo.tune")),
     # the launcher's sub-packages, one way: plan <- render <- operate <- programs
     ("pdtopo.launcher.plan", ("pdtopo.launcher.render", "pdtopo.launcher.operate",
                               "pdtopo.launcher.programs")),

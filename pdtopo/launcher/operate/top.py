@@ -18,7 +18,6 @@ measurement; nothing subtracts two hosts' clocks.
 from __future__ import annotations
 
 import json
-import math
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +34,7 @@ from pdtopo.launcher.operate import display
 from pdtopo.launcher.operate.supervisor_control import Supervisor, SupervisorError
 from pdtopo.launcher.plan.expand import Plan
 from pdtopo.launcher.render.monitoring import ROUTER_JOB, Target, scrape_targets
+from pdtopo.planner.observe import quantile  # one window arithmetic for top and the planner
 
 REQUESTS = {"pdtopo-servers": "pdtopo:requests_total", ROUTER_JOB: "smg_http_requests_total"}
 TTFT = "sglang:time_to_first_token_seconds"
@@ -79,25 +79,6 @@ def scrape(target: Target, timeout: float = 2.0) -> Scrape:
 
 def sample(targets: list[Target]) -> dict[str, Scrape]:
     return {t.labels["program"]: scrape(t) for t in targets}
-
-
-def quantile(q: float, older: dict[float, float], newer: dict[float, float]) -> float | None:
-    """The q-quantile of the observations between two cumulative bucket snapshots (linear
-    within a bucket, as Prometheus' histogram_quantile); None without observations."""
-    bounds = sorted(newer)
-    counts = [newer[b] - older.get(b, 0.0) for b in bounds]
-    if not counts or counts[-1] <= 0:
-        return None
-    rank = q * counts[-1]
-    lower, below = 0.0, 0.0
-    for bound, cum in zip(bounds, counts, strict=True):
-        if cum >= rank:
-            if math.isinf(bound):
-                return lower  # in the +Inf bucket: the highest finite bound
-            width = cum - below
-            return lower + (bound - lower) * ((rank - below) / width if width else 1.0)
-        lower, below = bound, cum
-    return lower
 
 
 @dataclass

@@ -29,6 +29,8 @@ from pdtopo.config.schema import (
 )
 from pdtopo.config.settings import EngineSettings, ServerSettings, resolved_dtype
 from pdtopo.launcher.plan.tpu_env import Accelerator, process_grid, split_error
+from pdtopo.planner.budget import Counts
+from pdtopo.planner.settings import PlannerSettings
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
@@ -378,3 +380,42 @@ def check_tpu_attention_budget(topo: TopologySchema, model: Any,
         tp = int(spec.mesh.get("tp", 1)) if spec is not None else 1
         for key, value, why in tpu_kernel_budget.problems(engine, *dims, tp=tp):
             raise TopologyError(key, value, f"{why} ({role} servers)")
+
+
+def instance_chips(role: str, spec: RoleSchema) -> int:
+    """Chips one instance of `role` holds (its processes' explicit chip lists, or the
+    chips_per_* keys)."""
+    if spec.chips:
+        return sum(len(c) for c in spec.chips[:spec.processes_per_instance])
+    return chips_per_process(role, spec) * spec.processes_per_instance
+
+
+def check_planner(planner: Any, topo: TopologySchema, acc: Accelerator) -> None:
+    """The `planner` node typed and checked (a config without one, e.g. conf/ at an older
+    revision, has no planner); when enabled, the topology must be PD and its counts must fit
+    the planner's budget and bounds."""
+    if planner is None:
+        return
+    s = PlannerSettings.from_config(planner)
+    if not s.enabled:
+        return
+    if topo.mode != "pd":
+        raise TopologyError("planner.enabled", True, f"the planner re-balances prefill and "
+                            f"decode instances; topology.mode={topo.mode!r} has none "
+                            "(set planner.enabled=false or use a pd topology)")
+    counts = Counts(topo.prefill.instances, topo.decode.instances)
+    for role in ("prefill", "decode"):
+        bounds = getattr(s, role)
+        n = counts.of(role)
+        if n < bounds.min or (bounds.max is not None and n > bounds.max):
+            key = f"planner.{role}.{'min' if n < bounds.min else 'max'}"
+            raise TopologyError(key, bounds.min if n < bounds.min else bounds.max,
+                                f"topology.{role}.instances={n} is outside the planner's "
+                                f"bounds [{bounds.min}, {bounds.max}]")
+    budget = s.budget([host_chips(topo, acc, h.name) for h in topo.hosts],
+                      instance_chips("prefill", topo.prefill),
+                      instance_chips("decode", topo.decode))
+    if budget.chips is not None and budget.chips_of(counts) > budget.chips:
+        raise TopologyError("planner.chips", s.chips, f"the topology's {counts} holds "
+                            f"{budget.chips_of(counts)} chips, more than the planner's budget "
+                            f"of {budget.chips}")
