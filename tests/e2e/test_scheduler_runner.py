@@ -137,13 +137,13 @@ def run_loaded(s: Scheduler, reqs: list[Req], late: list[Req] = (),
                abort: str | None = None) -> tuple[dict[str, tuple], dict]:
     """`run_stepped` over a backlog, counting the steps: decode steps run, steps dispatched
     ahead, of which with a request waiting and with a penalised row, and per request the step
-    that emitted its first token (`first`). `abort`: that request is aborted once it has
+    that dispatched its first prompt chunk (`start`). `abort`: that request is aborted once it has
     emitted two tokens and a step dispatched ahead holds its row. Returns per request (ids,
     finish reason, every output) and the counts."""
     for r in reqs:
         s.submit(r)
     n = {"decode": s.num_decode_steps, "ahead": s.num_overlapped_steps, "waiting": 0,
-         "penalised": 0, "aborted": 0, "first": {}}
+         "penalised": 0, "aborted": 0, "start": {}}
     steps = 0
     while s.has_work() or not s.inbox.empty() or (late and steps <= 5):
         if steps == 5:
@@ -154,8 +154,8 @@ def run_loaded(s: Scheduler, reqs: list[Req], late: list[Req] = (),
         steps += 1
         assert steps < 3000
         for r in [*reqs, *late]:
-            if r.num_emitted and r.rid not in n["first"]:
-                n["first"][r.rid] = steps
+            if r.prefill_start_time is not None and r.rid not in n["start"]:
+                n["start"][r.rid] = steps
         if s.num_overlapped_steps > ahead:  # the step in flight was dispatched before landing
             n["waiting"] += bool(s.waiting)
             n["penalised"] += any(r.sampling.penalised for r in s.in_flight.reqs)
@@ -234,5 +234,153 @@ def test_overlap_under_load_gives_the_synchronous_outputs(sched, sp):
     assert n["waiting"] >= 5 and n["penalised"] >= 5, n
     # and a waiting request starts as soon as it can: at most one step after the synchronous
     # loop starts it (the step in flight when a request ends on an unforeseen token lands first)
-    late_by = {r: n["first"][r] - sync_n["first"][r] for r in sync_n["first"]}
+    late_by = {r: n["start"][r] - sync_n["start"][r] for r in sync_n["start"]}
     assert max(late_by.values()) <= 1, late_by
+
+
+STREAM_LENS = [3, 11, 1, 25, 7, 14, 2, 17, 5, 20, 9, 4]
+
+
+def run_stream(s: Scheduler, reqs: list[Req], every: int = 2,
+               abort: str | None = None) -> tuple[dict[str, tuple], dict]:
+    """The serving loop's `step()` over a steady arrival stream: request i arrives before step
+    `every * i` (while earlier ones decode), from an empty prefix cache. `abort`: that request
+    is aborted while the prefill step that ends its prompt is in flight. Returns per request
+    (ids, finish reason, (the emitted stream as (new tokens, finished) per output, the prompt
+    tokens served by the prefix cache), logprobs)
+    and counts: decode steps run, steps dispatched ahead, of which continuing a prefill or
+    mixed step (`after_prompt`; a mixed one: `after_mixed`), prefill/mixed steps left in
+    flight (`launched`), mixed steps, and the step of the abort."""
+    s._flush_cache()  # every run the same prompt steps: nothing cached from the last one
+    n = {"decode": s.num_decode_steps, "ahead": s.num_overlapped_steps,
+         "mixed": s.num_mixed_steps, "after_prompt": 0, "after_mixed": 0, "launched": 0,
+         "aborted": 0}
+    pending, steps = list(reqs), 0
+    while pending or s.has_work() or not s.inbox.empty():
+        if pending and steps % every == 0:
+            s.submit(pending.pop(0))
+        steps += 1
+        assert steps < 3000
+        if not (s.has_work() or not s.inbox.empty()):
+            continue  # idle until the next arrival (step() would block in idle_wait)
+        flight, ahead = s.in_flight, s.num_overlapped_steps
+        s.step()
+        if flight is not None and flight.batch.kind != "decode" and (
+                s.num_overlapped_steps > ahead):
+            n["after_prompt"] += 1
+            n["after_mixed"] += flight.batch.kind == "mixed"
+        now = s.in_flight
+        if now is not None and now is not flight and now.batch.kind != "decode":
+            n["launched"] += 1
+            prompts = now.reqs[now.batch.num_decode:]
+            if not n["aborted"] and any(r.rid == abort for r in prompts):
+                s.abort(abort)  # drained by the next step, before its continuation is formed
+                n["aborted"] = steps
+    for k in ("decode", "ahead", "mixed"):
+        n[k] = getattr(s, {"decode": "num_decode_steps", "ahead": "num_overlapped_steps",
+                           "mixed": "num_mixed_steps"}[k]) - n[k]
+    s.publish_stats()
+    out = {}
+    for r in reqs:
+        outs = []
+        while not r.sink.queue.empty():
+            outs.append(r.sink.queue.get_nowait())
+        out[r.rid] = ([t for o in outs for t in o.new_token_ids], outs[-1].finish_reason,
+                      ([(o.new_token_ids, o.finished) for o in outs], outs[-1].cached_tokens),
+                      [(lp.logprob, lp.top) for lp in r.output_logprobs])
+    st = s.stats()
+    assert not baseline_problems(st) and st["num_reqs"] == 0, baseline_problems(st)
+    return out, n
+
+
+def first_char(tokenizer, token: int) -> str | None:
+    """A stop string that a request's first token, `token`, holds (None: it decodes to no
+    text). Any character will do: nothing precedes it."""
+    return tokenizer.decode([token])[:1] or None
+
+
+@pytest.mark.parametrize("mixed,budget", [(True, 16), (False, 16), (True, 64), (False, 64)],
+                         ids=["mixed-chunked", "chunked", "mixed", "whole"])
+@pytest.mark.parametrize("sp", [dict(temperature=0.0, logprobs=2),
+                                dict(temperature=1.0, top_p=0.9, seed=3)],
+                         ids=["greedy", "seeded"])
+def test_overlap_after_prefill_gives_the_synchronous_outputs(sched, sp, mixed, budget):
+    """Issue 48 item 3: a prefill or mixed step whose prompts all end in it is left in flight,
+    and the decode step over the requests it gave a token to (and the running ones) is
+    dispatched before it lands, their tokens fed on the device. Over a steady arrival stream
+    (max_running_requests 4: a backlog), with chunked prompts (engine.max_prefill_tokens 16,
+    below the longest prompts: a step with a chunk that does not end its prompt runs whole) or
+    not, mixed steps on and off (with the small budget they run, and are continued ahead),
+    penalised rows, a request whose
+    first token is EOS, one whose first token holds its stop string, one stopping on a stop
+    string later, an n > 1 pair (the second completion starts from its leader's cached prompt
+    pages) and one aborted while its prefill is in flight: the overlapped loop gives
+    the synchronous loop's tokens, finish reasons, emitted streams and logprobs (those within
+    float rounding), and the share of decode steps dispatched ahead rises over the loop that
+    overlaps decode steps only (before issue 48 item 3)."""
+    def batch(eos: int | None = None, stops: dict[int, str] | None = None) -> list[Req]:
+        reqs = []
+        for i, n in enumerate(STREAM_LENS):
+            prompt = [256] + [(5 * i + 3 * j + 1) % 250 + 1 for j in range(n)]
+            params = SamplingParams(max_new_tokens=5 + i % 5, ignore_eos=True, **sp)
+            if i % 3 == 1:
+                params.presence_penalty, params.repetition_penalty = 0.5, 1.3
+            if i == 4 and eos is not None:
+                params.ignore_eos = False  # its first token is made an EOS id below
+            if stops and i in stops:
+                params.stop = [stops[i]]
+            reqs.append(Req(rid=f"s{i}", prompt_ids=prompt, sampling=params, sink=QueueSink()))
+        # n > 1: s11 is s10's second completion, waiting for its leader's prompt pages
+        reqs[11].prompt_ids, reqs[11].leader = list(reqs[10].prompt_ids), reqs[10]
+        reqs[10].num_followers = 1
+        return reqs
+
+    saved = (sched.max_running, sched.mixed_steps, sched.max_prefill_tokens, sched.eos_ids)
+    sched.max_running, sched.mixed_steps, sched.max_prefill_tokens = 4, mixed, budget
+    try:
+        sched.overlap = False
+        ref, _ = run_stream(sched, batch())
+        eos = ref["s4"][0][0]
+        first = next(i for i in (6, 7, 8, 9, 10, 11, 3, 1, 0)
+                     if first_char(sched.tokenizer, ref[f"s{i}"][0][0]))
+        later, k = stop_string(sched.tokenizer, ref["s2"][0])
+        stops = {first: first_char(sched.tokenizer, ref[f"s{first}"][0][0]), 2: later}
+        sched.eos_ids = {*saved[3], eos}
+        sync, _ = run_stream(sched, batch(eos, stops))
+        sched.overlap, sched.overlap_prefill = True, False  # decode steps only: the old loop
+        old, old_n = run_stream(sched, batch(eos, stops))
+        sched.overlap_prefill = True
+        new, new_n = run_stream(sched, batch(eos, stops))
+        aborted, ab_n = run_stream(sched, batch(eos, stops), abort="s5")
+    finally:
+        sched.max_running, sched.mixed_steps, sched.max_prefill_tokens, sched.eos_ids = saved
+        sched.overlap = sched.overlap_prefill = True
+    assert sync["s4"][1] == {"type": "stop", "matched": eos} and len(sync["s4"][0]) == 1
+    assert sync[f"s{first}"][1]["type"] == "stop" and len(sync[f"s{first}"][0]) == 1
+    assert sync["s2"][1]["type"] == "stop" and len(sync["s2"][0]) == k + 1
+    assert sync["s11"][2][1] == 8  # the follower's prompt from its leader's pages
+    for got in (old, new):
+        assert {r: v[:3] for r, v in got.items()} == {r: v[:3] for r, v in sync.items()}
+        for rid, (*_, lps) in sync.items():  # batch sizes differ: float rounding, not choices
+            assert [[t for t, _ in top] for _, top in got[rid][3]] == [
+                [t for t, _ in top] for _, top in lps]
+            np.testing.assert_allclose([lp for lp, _ in got[rid][3]], [lp for lp, _ in lps],
+                                       atol=1e-5)
+    # the abort lands while s5's prefill is in flight: nothing of s5 is ever emitted, the
+    # others are unchanged
+    assert ab_n["aborted"], ab_n
+    assert aborted["s5"][1]["type"] == "abort" and aborted["s5"][2][0] == [([], True)]
+    assert {r: v[:3] for r, v in aborted.items() if r != "s5"} == {
+        r: v[:3] for r, v in sync.items() if r != "s5"}
+    # prompt steps were left in flight and continued ahead; mixed steps where asked for
+    assert old_n["launched"] == old_n["after_prompt"] == 0, old_n
+    assert new_n["launched"] >= 3 and new_n["after_prompt"] >= 3, new_n
+    if not mixed:
+        assert new_n["mixed"] == 0, new_n
+    elif budget < 64:
+        assert new_n["mixed"] > 0 and new_n["after_mixed"] > 0, new_n
+    assert new_n["ahead"] / new_n["decode"] > old_n["ahead"] / old_n["decode"], (old_n, new_n)
+    print(f"\noverlapped decode steps {sp} mixed={mixed} budget={budget}: "
+          f"before {old_n['ahead']}/{old_n['decode']}, after {new_n['ahead']}/{new_n['decode']}"
+          f" (after a prompt step: {new_n['after_prompt']}, prompt steps launched: "
+          f"{new_n['launched']})")

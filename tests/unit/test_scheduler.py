@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from pdtopo.runtime.engine.request import QueueSink, Req, SamplingParams
@@ -77,6 +78,25 @@ def test_prefill_token_budget_and_chunked_long_prompt():
     assert prefill_sizes == [8, 8, 4]
     assert [c[0].start_pos for c in runner.calls[:3]] == [0, 8, 16]
     assert all(sum(len(x.token_ids) for x in c) <= 8 for c in runner.calls)
+    assert_baseline(s)
+
+
+def test_a_chunk_that_does_not_end_its_prompt_samples_nothing_that_counts():
+    """A penalised prompt in chunks: the chunks before its last sample a token nobody reads;
+    it must not land in the request's penalty counts on the device (they hold its outputs
+    only), nor build its slot from a half-computed prompt (Scheduler.batch_rows)."""
+    runner = FakeRunner(num_pages=64, page_size=4)
+    s = Scheduler(make_ctx(max_prefill_tokens=4), runner, FakeTokenizer())
+    req, _ = mk("pen", [2 + (j % 50) for j in range(13)], n=5, frequency_penalty=0.5)
+    s.submit(req)
+    s.drain_inbox()
+    while not req.output_ids:
+        s.run_batch(s.schedule())
+    assert len(runner.calls) == 4  # 4 + 4 + 4 + 1 prompt tokens
+    tables = s.sampler.tables
+    counts = np.asarray(tables.counts[tables._slot_of[req.serial]])
+    assert counts.sum() == 1 and counts[req.output_ids[0]] == 1
+    run_until_idle(s)
     assert_baseline(s)
 
 

@@ -6,8 +6,9 @@ preemption); this module says what those rows are. A `ScheduledBatch` lists requ
 request's newest token), then prompt chunks (`prompt_piece`: the next tokens of a waiting
 request's prompt that fit the step's token budget, and whether they finish it). A mixed step
 is a decode batch followed by a prefill batch (`ScheduledBatch.mixed`). Each row's sampling
-settings come from its request (`sampler_row`). `run_batch` walks the rows in this order when
-the step's tokens come back.
+settings come from its request (`sampler_row`; a chunk that does not end its prompt samples a
+token nobody reads: `DROPPED_ROW`). `land_batch` walks the rows in this order when the step's
+tokens come back.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def prompt_piece(req: Req, budget: int) -> tuple[list[int], bool]:
 def decode_piece(req: Req) -> list[int]:
     """A running request's tokens not computed yet (its newest token)."""
     return req.all_ids[req.num_computed:]
+
+
+# the row of a prompt chunk that does not end its prompt: its token is dropped (batch_rows)
+DROPPED_ROW = RowParams(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
 
 
 def sampler_row(req: Req, ahead: int = 0) -> RowParams:

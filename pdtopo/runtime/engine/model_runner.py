@@ -408,7 +408,8 @@ class ModelRunner:
         `padded` the step's whole bucket of rows (row i is chunk i; extra rows are padding),
         which saves a slicing program per batch size. Writes the chunks' K/V into
         `self.kv_caches`. `feed` = (tokens, rows): one-token chunks whose token is still on
-        the device, chunk i's being `tokens[rows[i]]` (their `token_ids` are placeholders).
+        the device, chunk i's being `tokens[rows[i]]` (their `token_ids` are placeholders;
+        rows[i] < 0: chunk i's own token)
         On a mesh spanning several processes every process must call forward with the same
         chunks (lockstep) and gets its local copy of the logits."""
         self._validate(chunks)
@@ -423,8 +424,10 @@ class ModelRunner:
         return int(prepare_step(chunks, self.geometry).last_idx.shape[0])
 
     def warmup_feeds(self) -> int:
-        """Compile the fed unpacking of every one-token step shape, from every larger or equal
-        batch of previous tokens (overlap scheduling); returns how many."""
+        """Compile the fed unpacking of every one-token step shape, from every row count of
+        previous tokens (overlap scheduling: a decode step's, or a prefill or mixed step's,
+        whose rows in the ragged layout can be fewer than the next step's sequences: that step
+        also carries the running requests the prefill step did not); returns how many."""
         if not self.geometry.decode_layout and self.geometry.layout_kind != "ragged":
             return 0
         steps = [s for s in warmup_steps(self.geometry, decode=True, prefill=False)
@@ -434,9 +437,8 @@ class ModelRunner:
         with self._lock:
             for step in steps:
                 for r in rows:
-                    if r >= int(step.md.num_seqs[0]):
-                        self._transfer.compile(step.key, _host_inputs(step), feed_rows=r)
-                        n += 1
+                    self._transfer.compile(step.key, _host_inputs(step), feed_rows=r)
+                    n += 1
         return n
 
     def shape_grid(self, decode: bool = True, prefill: bool = True) -> set[tuple]:

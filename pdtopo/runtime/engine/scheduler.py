@@ -24,10 +24,11 @@ runs `event_loop()`, whose iteration is `step()`:
                          else schedule_decode() (every running request, page tables grown, the
                          newest requests preempted when pages run out; the prefix cache gives
                          back unreferenced pages first)
-    run_batch(batch)  -> runner.forward(chunks), Sampler, then per request
+    run_batch(batch)  -> runner.forward(chunks), Sampler, then `land_batch`: per request
                          on_prefill_finished(req, token) or process_new_token(req, token)
-                         (engine.overlap_schedule: a decode batch is launched instead and
-                         landed by the next step)
+                         (engine.overlap_schedule: a decode batch, and in the colocated role a
+                         prefill or mixed one whose prompt chunks all end their prompts, is
+                         launched instead and landed by the next step: overlap.py)
     publish_stats()   -> the snapshot for /pdtopo/state, /get_load and Prometheus
     idle_wait()       -> nothing to run: block on the inbox briefly
 
@@ -51,9 +52,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 from pdtopo.runtime.engine.admission import STOP, AdmissionMixin
-from pdtopo.runtime.engine.batch import ScheduledBatch, decode_piece, prompt_piece, sampler_row
+from pdtopo.runtime.engine.batch import (
+    DROPPED_ROW,
+    ScheduledBatch,
+    decode_piece,
+    prompt_piece,
+    sampler_row,
+)
 from pdtopo.runtime.engine.host_kv import HostKVTier
 from pdtopo.runtime.engine.kv_pages import KVPages, keeps_kv
 from pdtopo.runtime.engine.metrics import EngineMetrics
@@ -63,7 +71,7 @@ from pdtopo.runtime.engine.overlap import OverlapMixin
 from pdtopo.runtime.engine.page_allocator import OutOfPages, PageAllocator
 from pdtopo.runtime.engine.prefix_cache import PrefixCache
 from pdtopo.runtime.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
-from pdtopo.runtime.engine.sampling import RowParams, Sampler, penalty_slots_for
+from pdtopo.runtime.engine.sampling import RowParams, Sampler, SampleResult, penalty_slots_for
 from pdtopo.runtime.engine.stats import StatsMixin
 from pdtopo.runtime.engine.step_errors import StepErrorsMixin
 from pdtopo.runtime.worker_threads import CrashHandler, WorkerThread, crash_process, server_fault
@@ -90,6 +98,9 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
         self.mixed_steps = bool(eng.mixed_steps)
         # overlap.py: steady decode dispatches step N+1 before landing step N
         self.overlap = bool(eng.overlap_schedule) and getattr(runner, "supports_feed", False)
+        # prefill/mixed steps launched too: only where their requests go on decoding here and
+        # nothing else joins the running batch between steps (not P, D or the local engines)
+        self.overlap_prefill = self.overlap and self.role == "colocated"
         self.in_flight = None
         self.max_running = eng.max_running_requests
         self.base_seed = eng.seed
@@ -268,11 +279,12 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
             return self.schedule_mixed()
         return self.schedule_prefill() or self.schedule_decode()
 
-    def prefill_backlog(self) -> int:
-        """Prompt tokens the waiting requests still need. Mixing pays when prefilling them
-        alone would hold the running decodes for more than one step; one short prefill step
-        runs alone, as cheap for the decodes as a mixed one and cheaper for the batch."""
-        return sum(r.seq_len - r.num_computed for r in self.waiting)
+    def prefill_backlog(self, queue=None) -> int:
+        """Prompt tokens the waiting requests (or `queue`) still need. Mixing pays when
+        prefilling them alone would hold the running decodes for more than one step; one short
+        prefill step runs alone, as cheap for the decodes as a mixed one and cheaper for the
+        batch."""
+        return sum(r.seq_len - r.num_computed for r in (self.waiting if queue is None else queue))
 
     def schedule_mixed(self) -> ScheduledBatch | None:
         """Every running decode, then prompt chunks in what is left of the token budget: a
@@ -320,22 +332,27 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
             budget -= len(tokens)
         return batch if batch.reqs else None
 
-    def can_admit(self, leaving: int = 0) -> bool:
-        """Whether `schedule()` would start a waiting request's prompt now, were `leaving` of
+    def can_admit(self, leaving: int = 0, landing: Sequence[Req] = ()) -> bool:
+        """Whether `schedule()` would start a waiting request's prompt once the step in flight
+        lands: `landing` (its prompt requests, still waiting) running then, and `leaving` of
         the running requests gone: `schedule_prefill`'s test of the queue's head (FCFS: when
         the head waits, all do), without matching, evicting or taking pages. The overlapped
         loop asks it before dispatching a continuation (overlap.py): yes lands the step in
         flight first and admits; no (no free row, no pages, a mixin's hold) keeps decoding
         ahead while the request waits. `may_start` is asked as schedule_prefill asks it."""
-        if not self.waiting:
+        queue = [r for r in self.waiting if not any(r is q for q in landing)] if landing else (
+            self.waiting)
+        if not queue:
             return False
-        running = len(self.running) - leaving
+        running = len(self.running) + len(landing) - leaving
         if running >= self.max_running:
             return False
         if (self.mixed_steps and running >= self.max_prefill_tokens
-                and self.prefill_backlog() > self.max_prefill_tokens):
+                and self.prefill_backlog(queue) > self.max_prefill_tokens):
             return False  # schedule_mixed: the decode rows leave no prompt budget
-        req = self.waiting[0]
+        req = queue[0]
+        if req.leader is not None and any(req.leader is q for q in landing):
+            return True  # its leader's pages enter the prefix cache as it lands: schedule()
         if self.awaits_leader(req) or not self.may_start(req):
             return False
         return self.pages.admits(req, reserve=running)
@@ -386,12 +403,26 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
     def row_params(self, req: Req, ahead: int = 0) -> RowParams:
         return sampler_row(req, ahead)
 
+    def batch_rows(self, batch: ScheduledBatch) -> list[RowParams]:
+        """The sampler's row of each request of `batch`. A prompt chunk that does not end its
+        prompt samples a token nobody reads: it gets `DROPPED_ROW` (greedy, no penalty, no
+        logprobs), so no penalty slot is built from a half-computed prompt and no dropped
+        token is counted in one."""
+        return [DROPPED_ROW if i >= batch.num_decode and not batch.completes[i - batch.num_decode]
+                else self.row_params(req) for i, req in enumerate(batch.reqs)]
+
     def run_batch(self, batch: ScheduledBatch) -> None:
         self.fault.tick()  # testing: server.fault_inject_thread=scheduler kills the loop here
-        sample = self.dispatch_step(batch.reqs, batch.chunks, batch.kind)
+        sample = self.dispatch_step(batch, self.batch_rows(batch))
         result = sample and self.read_step(sample, batch.reqs, batch.kind)
-        if result is None:
-            return
+        if result is not None:
+            self.land_batch(batch, result)
+
+    def land_batch(self, batch: ScheduledBatch, result: SampleResult) -> None:
+        """A step's sampled tokens, read back (`run_batch`, or overlap.py's `land`): per
+        decode row the token; per prompt chunk the computed tokens counted and, when it ends
+        the prompt, the request out of `waiting` and `on_prefill_finished` with its first
+        token. Requests that finished meanwhile (aborted) are skipped."""
         self.num_forward += 1
         self.num_mixed_steps += batch.kind == "mixed"
         self.num_decode_steps += batch.kind == "decode"
