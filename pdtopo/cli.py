@@ -11,6 +11,8 @@
   pdtopo top [RUN_DIR] [--interval S] [--once]     live per-program table from /metrics
   pdtopo scale prefill=N decode=M [RUN_DIR]         add or remove instances of a running PD
                                                     deployment (launcher/operate/scale.py)
+  pdtopo planner status|pause|resume [RUN_DIR]      the live P/D planner of a run
+                                                    (planner.enabled=true; launcher/operate/planner_cli.py)
   pdtopo diff [--format rich|markdown] <overrides A> -- <overrides B>
   pdtopo diff --rev GITREV [--format ...] <overrides>
   pdtopo bench [URL] [--output FILE] [bench.KEY=VALUE ...]  benchmark a proxy/server (latest run)
@@ -34,7 +36,7 @@ from pdtopo.config.compose import compose_config, conf_dir
 from pdtopo.config.run_files import resolve_run_dir
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.hydra_app import run_app
-from pdtopo.launcher.operate import display, rolling, scale, stop_status, top
+from pdtopo.launcher.operate import display, planner_cli, rolling, scale, stop_status, top
 from pdtopo.launcher.operate.hosts import host_cpus, resolve_host_run
 from pdtopo.launcher.operate.k8s_job import FORMATS, render_k8s_job
 from pdtopo.launcher.operate.launch import LaunchOptions, launch_job
@@ -130,6 +132,19 @@ def _scale(argv: list[str]) -> int:
     return scale.run(run, counts)
 
 
+def _planner(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdtopo planner")
+    parser.add_argument("action", choices=planner_cli.ACTIONS)
+    parser.add_argument("run_dir", nargs="?", default=None)
+    args = parser.parse_args(argv)
+    try:
+        run = resolve_host_run(resolve_run_dir(args.run_dir))
+    except FileNotFoundError as exc:
+        print(f"pdtopo planner: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return planner_cli.run(run, args.action)
+
+
 def _diff(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdtopo diff")
     parser.add_argument("--rev", default=None, help="compare conf/ at this git revision")
@@ -187,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_dir_verb(verb, rest)
     if verb == "scale":
         return _scale(rest)
+    if verb == "planner":
+        return _planner(rest)
     if verb == "diff":
         return _diff(rest)
     if verb == "bench":

@@ -10,6 +10,7 @@ from omegaconf import open_dict
 from pdtopo.config.compose import compose_config
 from pdtopo.config.schema import TopologyError
 from pdtopo.launcher.plan.expand import expand_plan
+from pdtopo.launcher.plan.k8s import k8s_plan
 from pdtopo.launcher.render import diff
 from pdtopo.planner.budget import Budget, Counts
 from pdtopo.planner.settings import PlannerSettings
@@ -80,6 +81,11 @@ def test_plans_render_with_the_planner_off_on_and_absent():
     (["planner.enabled=true", "planner.prefill.max=0"], "planner.prefill.max"),
     (["planner.enabled=true", "topology=2p2d_cpu", "planner.decode.max=1"],
      "planner.decode.max"),
+    # what `pdtopo scale`, the planner's hands, cannot work on
+    (["planner.enabled=true", "proxy=mini_lb"], "planner.enabled"),
+    (["planner.enabled=true", "topology=1p1d_cpu_2host", "server.bind_host=null"],
+     "planner.enabled"),
+    (["planner.enabled=true", "topology=1p1d_cpu_mp"], "planner.enabled"),
 ])
 def test_the_plan_refuses_a_planner_that_cannot_run(overrides, key):
     with pytest.raises(TopologyError) as err:
@@ -87,10 +93,39 @@ def test_the_plan_refuses_a_planner_that_cannot_run(overrides, key):
     assert err.value.key == key
 
 
-def test_diff_shows_the_planner_keys_and_no_process_change():
+def test_diff_shows_the_planner_keys_and_its_program_only():
+    """The planner is a supervisord program beside the plan (like the router watch): no
+    plan process changes, the conf gains `[program:planner]`."""
     a = compose_config(["model=tiny_llama"])
     b = compose_config(["model=tiny_llama", "planner.enabled=true", "planner.mode=recommend"])
     res = diff.diff_configs(a, b, CPUS)
     assert ("planner.enabled", False, True) in res.config
     assert ("planner.mode", "act", "recommend") in res.config
-    assert not (res.added or res.removed or res.processes or res.conf_diff)
+    assert not (res.added or res.removed or res.processes)
+    added = [line[1:] for line in res.conf_diff if line.startswith("+") and
+             not line.startswith("+++")]
+    assert "[program:planner]" in added
+    assert "command=python -m pdtopo.launcher.programs.planner RUN_DIR" in added
+    assert "autorestart=true" in added and "priority=999" in added
+    assert not any(line.startswith("-") and not line.startswith("---")
+                   for line in res.conf_diff)
+
+
+def test_k8s_manifests_refuse_the_planner():
+    """The rendered manifests have no planner program (docs/planner.md, Kubernetes)."""
+    cfg = compose_config(["model=tiny_llama", "topology=1p1d_v6e8", "planner.enabled=true",
+                          "server.bind_host=null"])
+    plan = expand_plan(cfg, run_dir="/run", python="py", cpus=CPUS, routable=True)
+    with pytest.raises(TopologyError) as err:
+        k8s_plan(plan, cfg)
+    assert err.value.key == "planner.enabled"
+    assert "pdtopo scale" in err.value.message
+
+
+def test_a_planner_with_no_room_is_warned_about():
+    full = _plan("planner.enabled=true")  # 1p1d_cpu: cpu-2, both chips held
+    assert any(w.startswith("planner: 1P1D fills the budget") for w in full.warnings), \
+        full.warnings
+    roomy = _plan("planner.enabled=true", "topology.accelerator=cpu-3")
+    assert not any(w.startswith("planner:") for w in roomy.warnings)
+    assert not any(w.startswith("planner:") for w in _plan().warnings)

@@ -9,8 +9,10 @@
                          for their /health (crash loops end the wait at once), add them to the
                          router (`POST /workers`), wait until it lists them healthy
 
-A failed scale-out is rolled back: the new programs are removed from the router and from
-supervisord and the run dir is restored. A drain that does not finish within
+One scale at a time per run dir (RUN/.scale.lock); a scale by hand pauses an acting live
+planner, and the planner's own scale is refused once the deployment changed under it
+(operate/planner_files.py). A failed scale-out is rolled back: the new programs are removed
+from the router and from supervisord and the run dir is restored. A drain that does not finish within
 `launcher.drain_timeout_s` keeps the instance (drain undone) and fails the scale. Every step
 prints what it waits for and how long it took.
 
@@ -46,6 +48,7 @@ from pdtopo.launcher.operate.admin_http import OperationError, wait_until
 from pdtopo.launcher.operate.deployment import Deployment
 from pdtopo.launcher.operate.health import wait_for_programs
 from pdtopo.launcher.operate.hosts import host_cpus
+from pdtopo.launcher.operate.planner_files import SCALE_BY_ENV, guard_scale, scale_lock
 from pdtopo.launcher.operate.rolling import Operator
 from pdtopo.launcher.operate.supervisor_control import CALL_ERRORS, log_tail
 from pdtopo.launcher.plan.expand import Plan, Process
@@ -263,8 +266,19 @@ def _apply(scaler: Scaler, files: RunFiles, con: Any) -> None:
 
 def run(run_dir: Path, args: list[str]) -> int:
     """The CLI verb: 0 when the deployment has the new shape, 1 when it failed (the run dir
-    then describes what runs: the shape reached), 2 for a bad request (nothing changed)."""
+    then describes what runs: the shape reached), 2 for a bad request (nothing changed).
+    One scale at a time per run dir (RUN/.scale.lock: a second one waits)."""
     con = display.console()
+    holder = ("the planner's" if os.environ.get(SCALE_BY_ENV) == "planner" else "by hand") \
+        + f" `pdtopo scale {' '.join(args)}`"
+    if not run_dir.is_dir():
+        display.console(stderr=True).print(f"[bold red]pdtopo scale:[/] {run_dir}: no run dir")
+        return 2
+    with scale_lock(run_dir, holder, con.print):
+        return _run(run_dir, args, con)
+
+
+def _run(run_dir: Path, args: list[str], con: Any) -> int:
     err = display.console(stderr=True)
     try:
         counts = parse_counts(args)
@@ -286,6 +300,10 @@ def run(run_dir: Path, args: list[str]) -> int:
     if not added and not removed:
         con.print(f"{run_dir}: already {_shape(dep.plan)}; nothing to do")
         return 0
+    refused = guard_scale(run_dir, before, args, con.print)
+    if refused:
+        err.print(f"[bold red]pdtopo scale:[/] {refused}; nothing changed")
+        return 2
     con.print(f"scaling {run_dir}: {_shape(dep.plan)} -> {_shape(new_plan)}"
               + (f"; adding {', '.join(p.name for p in added)}" if added else "")
               + (f"; removing {', '.join(p.name for p in removed)}" if removed else ""))

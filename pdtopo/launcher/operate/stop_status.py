@@ -9,7 +9,7 @@ import xmlrpc.client
 from pathlib import Path
 from xml.parsers.expat import ExpatError
 
-from pdtopo.launcher.operate import display
+from pdtopo.launcher.operate import display, planner_files
 from pdtopo.launcher.operate.health import probe
 from pdtopo.launcher.operate.supervisor_control import Supervisor, SupervisorError, teardown
 from pdtopo.launcher.plan.expand import Plan
@@ -36,6 +36,10 @@ def status(run_dir: Path) -> int:
     healthy = {i["name"]: probe(by_name[i["name"]].health_url, timeout=1.0)
                for i in infos if i["name"] in by_name and i["statename"] == "RUNNING"}
     con.print(display.status_table(plan, infos, healthy, title=str(run_dir)))
+    planner = planner_files.summary(planner_files.read_status(run_dir),
+                                    planner_files.paused(run_dir))
+    if planner:
+        con.print(planner, markup=False)
     return 0 if all(i["statename"] == "RUNNING" for i in infos) else 1
 
 

@@ -8,7 +8,10 @@ programs' /metrics (the targets of RUN/prometheus.yml).
                                        over the window
     run(run_dir, interval_s, once)     draws the table every interval (rich Live) or, with
                                        --once, takes two samples interval apart, prints one
-                                       table and exits
+                                       table and exits; plan.json is read again every
+                                       interval (scale and the planner change it), and
+                                       the live planner's line (RUN/planner.json) is the
+                                       table's caption
 
 Rates and quantiles come from the difference of two samples (counters and histogram buckets),
 so they describe the last window, not the time since start. Every number is one process's own
@@ -30,7 +33,7 @@ from rich.live import Live
 from rich.table import Table
 
 from pdtopo.config.run_files import PLAN_FILE
-from pdtopo.launcher.operate import display
+from pdtopo.launcher.operate import display, planner_files
 from pdtopo.launcher.operate.supervisor_control import Supervisor, SupervisorError
 from pdtopo.launcher.plan.expand import Plan
 from pdtopo.launcher.render.monitoring import ROUTER_JOB, Target, scrape_targets
@@ -143,8 +146,10 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
 
-def table(plan: Plan, data: list[Row], window_s: float) -> Table:
-    t = Table(title=f"pdtopo top: {plan.topology} (last {window_s:.1f} s; TTFT in ms)")
+def table(plan: Plan, data: list[Row], window_s: float, planner: str | None = None) -> Table:
+    """`planner`: the live planner's line (operate/planner_files.summary), as the caption."""
+    t = Table(title=f"pdtopo top: {plan.topology} (last {window_s:.1f} s; TTFT in ms)",
+              caption=planner, caption_justify="left")
     for col in ("program", "role", "state", "req/s", "run", "queue", "pages", "host pages",
                 "host hits/s", "KV GB/s", "TTFT p50", "TTFT p99"):
         t.add_column(col, justify="left" if col in ("program", "role", "state") else "right",
@@ -158,6 +163,19 @@ def table(plan: Plan, data: list[Row], window_s: float) -> Table:
                   _num(r.transfer_gbps, ".3f"),
                   _ms(r.ttft_p50), _ms(r.ttft_p99))
     return t
+
+
+def _planner(run_dir: Path) -> str | None:
+    return planner_files.summary(planner_files.read_status(run_dir),
+                                 planner_files.paused(run_dir))
+
+
+def _plan(run_dir: Path, plan: Plan) -> Plan:
+    """plan.json again (`pdtopo scale` and the planner change it while top runs)."""
+    try:
+        return Plan.from_dict(json.loads((run_dir / PLAN_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return plan
 
 
 def _states(run_dir: Path) -> dict[str, str]:
@@ -181,17 +199,19 @@ def run(run_dir: Path, interval_s: float = 2.0, once: bool = False) -> int:
     if once:
         time.sleep(interval_s)
         newer = sample(targets)
-        con.print(table(plan, rows(plan, _states(run_dir), older, newer), interval_s))
+        con.print(table(plan, rows(plan, _states(run_dir), older, newer), interval_s,
+                        _planner(run_dir)))
         return 0
     try:
         with Live(table(plan, [], 0.0), console=con, refresh_per_second=2) as live:
             while True:
                 time.sleep(interval_s)
-                newer = sample(targets)
+                plan = _plan(run_dir, plan)
+                newer = sample(scrape_targets(plan))
                 window = max((s.at for s in newer.values()), default=0.0) - \
                     max((s.at for s in older.values()), default=0.0)
                 live.update(table(plan, rows(plan, _states(run_dir), older, newer),
-                                  window or interval_s))
+                                  window or interval_s, _planner(run_dir)))
                 older = newer
     except KeyboardInterrupt:
         return 0

@@ -503,7 +503,7 @@ def expand_plan(cfg: DictConfig, *, run_dir: str = "RUN_DIR", python: str = "pyt
             topo, engines, allow_incompatible=settings.launcher.allow_incompatible_roles)
     validate.check_tpu_attention_budget(topo, cfg.get("model"), engines, acc)
     validate.check_host_tiers(topo, engines)
-    validate.check_planner(cfg.get("planner"), topo, acc)
+    warnings += validate.check_planner(cfg.get("planner"), topo, acc, proxy.kind)
     servers = _server_processes(cfg, topo, acc, _assign_chips(topo, acc), str(run_dir),
                                 python, cpus, settings.launcher)
     servers, derived_key = _guard_servers(servers, proxy, settings.server, topo.mode, routable)

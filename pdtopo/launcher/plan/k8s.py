@@ -222,6 +222,12 @@ def k8s_plan(plan: Plan, cfg: DictConfig) -> tuple[Plan, list[RoleGroup], K8sSet
         raise TopologyError("proxy.api_key_file", proxy_cfg.api_key_file,
                             "a host file is not in the proxy pod: give proxy.api_key (it goes "
                             "into the deployment's Secret) for --format k8s")
+    if OmegaConf.select(cfg, "planner.enabled", default=False):
+        raise TopologyError("planner.enabled", True, "the live planner runs under supervisord "
+                            "and acts through `pdtopo scale`; the manifests have no planner "
+                            "and fixed replica counts (scale a LeaderWorkerSet's replicas by "
+                            "hand, or run the planner with mode=recommend on a supervisord "
+                            "deployment of the same topology): set planner.enabled=false")
     s = K8sSettings.from_cfg(cfg, plan.topology)
     by_name = plan.by_name()
     groups = [_role_group(plan, cfg, role, s) for role in SERVER_ROLES]

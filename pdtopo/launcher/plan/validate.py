@@ -29,7 +29,7 @@ from pdtopo.config.schema import (
 )
 from pdtopo.config.settings import EngineSettings, ServerSettings, resolved_dtype
 from pdtopo.launcher.plan.tpu_env import Accelerator, process_grid, split_error
-from pdtopo.planner.budget import Counts
+from pdtopo.planner.budget import Budget, Counts
 from pdtopo.planner.settings import PlannerSettings
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -390,19 +390,44 @@ def instance_chips(role: str, spec: RoleSchema) -> int:
     return chips_per_process(role, spec) * spec.processes_per_instance
 
 
-def check_planner(planner: Any, topo: TopologySchema, acc: Accelerator) -> None:
+def planner_budget(s: PlannerSettings, topo: TopologySchema, acc: Accelerator) -> Budget:
+    """The chips and bounds the planner may hold on this topology's hosts (its budget counts
+    instances of the topology's per-role size)."""
+    return s.budget([host_chips(topo, acc, h.name) for h in topo.hosts],
+                    instance_chips("prefill", topo.prefill), instance_chips("decode", topo.decode))
+
+
+def check_planner(planner: Any, topo: TopologySchema, acc: Accelerator,
+                  proxy_kind: str | None = None) -> list[str]:
     """The `planner` node typed and checked (a config without one, e.g. conf/ at an older
-    revision, has no planner); when enabled, the topology must be PD and its counts must fit
-    the planner's budget and bounds."""
+    revision, has no planner); when enabled, the topology must be a one-host PD deployment of
+    one-process instances behind a router with a worker registry (what `pdtopo scale`, the
+    planner's hands, works on) and its counts must fit the planner's budget and bounds.
+    Returns a warning when the planner could change nothing from the start (the budget full
+    and neither role above its minimum)."""
     if planner is None:
-        return
+        return []
     s = PlannerSettings.from_config(planner)
     if not s.enabled:
-        return
+        return []
     if topo.mode != "pd":
         raise TopologyError("planner.enabled", True, f"the planner re-balances prefill and "
                             f"decode instances; topology.mode={topo.mode!r} has none "
                             "(set planner.enabled=false or use a pd topology)")
+    if len(topo.hosts) > 1:
+        raise TopologyError("planner.enabled", True, f"the planner acts through `pdtopo scale`,"
+                            f" which works on one-host deployments this release; "
+                            f"topology.hosts has {len(topo.hosts)}")
+    for role in ("prefill", "decode"):
+        n = getattr(topo, role).processes_per_instance
+        if n > 1:
+            raise TopologyError("planner.enabled", True, f"the planner acts through `pdtopo "
+                                f"scale`, which works on one-process instances this release; "
+                                f"topology.{role}.processes_per_instance={n}")
+    if proxy_kind == "mini_lb":
+        raise TopologyError("planner.enabled", True, "proxy.kind=mini_lb has a fixed worker "
+                            "list, so instances the planner adds or removes would not be "
+                            "routed; use proxy=rust or gateway")
     counts = Counts(topo.prefill.instances, topo.decode.instances)
     for role in ("prefill", "decode"):
         bounds = getattr(s, role)
@@ -412,10 +437,15 @@ def check_planner(planner: Any, topo: TopologySchema, acc: Accelerator) -> None:
             raise TopologyError(key, bounds.min if n < bounds.min else bounds.max,
                                 f"topology.{role}.instances={n} is outside the planner's "
                                 f"bounds [{bounds.min}, {bounds.max}]")
-    budget = s.budget([host_chips(topo, acc, h.name) for h in topo.hosts],
-                      instance_chips("prefill", topo.prefill),
-                      instance_chips("decode", topo.decode))
+    budget = planner_budget(s, topo, acc)
     if budget.chips is not None and budget.chips_of(counts) > budget.chips:
         raise TopologyError("planner.chips", s.chips, f"the topology's {counts} holds "
                             f"{budget.chips_of(counts)} chips, more than the planner's budget "
                             f"of {budget.chips}")
+    stuck = all(budget.refusal(counts.add(role, 1)) for role in ("prefill", "decode")) and \
+        all(budget.refusal(counts.add(role, -1)) for role in ("prefill", "decode"))
+    if stuck:
+        return [f"planner: {counts} fills the budget ({budget.refusal(counts.add('prefill', 1))})"
+                " and neither role can give an instance up, so the planner can change nothing; "
+                "give it room (planner.chips, a bigger topology.accelerator) or lower bounds"]
+    return []

@@ -6,7 +6,9 @@ so `supervisorctl -c RUN/supervisord.conf` works; one `[program:NAME]` per plan 
 plan order. The deployment token (and the proxy's API key, `Process.secret_env`) go into the
 programs' environment, so the conf is written with mode 0600. Processes with `cpu_affinity`
 run through `pdtopo.launcher.programs.pin`. With `ProgramSettings.router_watch`, an
-`[eventlistener:router_watch]` (pdtopo.launcher.programs.router_watch) follows the programs.
+`[eventlistener:router_watch]` (pdtopo.launcher.programs.router_watch) follows the programs;
+with `ProgramSettings.planner` (planner.enabled), a `[program:planner]`
+(pdtopo.launcher.programs.planner): started last, stopped first, restarted when it exits.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pdtopo.config.run_files import TOKEN_ENV
 from pdtopo.config.schema import PROGRAM_STOP_WAIT_S, typed_proxy
@@ -27,6 +29,10 @@ SOCKET_NAME = "supervisor.sock"
 MAX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux (104 on macOS); keep a margin
 PIN_MODULE = "pdtopo.launcher.programs.pin"
 ROUTER_WATCH_MODULE = "pdtopo.launcher.programs.router_watch"
+PLANNER_MODULE = "pdtopo.launcher.programs.planner"
+PLANNER_PROGRAM = "planner"
+PLANNER_PRIORITY = 999  # after every program of the plan; supervisord stops it first
+PLANNER_STOP_WAIT_S = 30  # a change under way is interrupted and rolled back (programs/planner)
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class ProgramSettings:
     stopwaitsecs: int = PROGRAM_STOP_WAIT_S
     stopsignal: str = "TERM"
     router_watch: bool = False  # add the router watch event listener (launcher.router_watch)
+    planner: bool = False       # add the live planner's program (planner.enabled)
 
 
 def socket_path(run_dir: str | PurePath) -> str:
@@ -123,6 +130,8 @@ def render_supervisord(plan: Plan, *, run_dir: str | PurePath, token: str,
     proxy = next((p for p in plan.processes if p.role == "proxy"), None)
     if settings.router_watch and proxy is not None:
         lines += _router_watch(proxy.command[0], run, workdir)
+    if settings.planner and proxy is not None:
+        lines += _planner(proxy.command[0], run, workdir)
     return "\n".join(lines)
 
 
@@ -147,10 +156,38 @@ def _router_watch(python: str, run: PurePath, workdir: str | PurePath) -> list[s
     ]
 
 
+def _planner(python: str, run: PurePath, workdir: str | PurePath) -> list[str]:
+    """The planner's program: restarted whenever it exits (a crash loop ends in FATAL, the
+    deployment serving on as it is); stopped, it waits for the roll-back of a change under
+    way (PLANNER_STOP_WAIT_S); its own log is logs/planner.log, its decisions
+    RUN/planner.log."""
+    return [
+        f"[program:{PLANNER_PROGRAM}]",
+        f"command={_escape(shlex.join([python, '-m', PLANNER_MODULE, str(run)]))}",
+        f"directory={_escape(str(workdir))}",
+        f"priority={PLANNER_PRIORITY}",
+        "autostart=true",
+        "autorestart=true",
+        "startsecs=1",
+        "startretries=10",
+        "stopasgroup=true",
+        "killasgroup=true",
+        "stopsignal=TERM",
+        f"stopwaitsecs={PLANNER_STOP_WAIT_S}",
+        f"stdout_logfile={_escape(str(run / 'logs' / (PLANNER_PROGRAM + '.log')))}",
+        "stdout_logfile_maxbytes=10MB",
+        "stdout_logfile_backups=2",
+        "redirect_stderr=true",
+        "",
+    ]
+
+
 def program_settings(cfg: DictConfig) -> ProgramSettings:
     launcher = group_settings(cfg, "launcher")
     return ProgramSettings(startsecs=launcher.startsecs, startretries=launcher.startretries,
-                           router_watch=launcher.router_watch and watchable(cfg))
+                           router_watch=launcher.router_watch and watchable(cfg),
+                           planner=bool(OmegaConf.select(cfg, "planner.enabled", default=False))
+                           and cfg.topology.mode == "pd")
 
 
 def watchable(cfg: DictConfig) -> bool:
