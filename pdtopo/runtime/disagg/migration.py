@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pdtopo.runtime.disagg.transport.base import KVTransferError
@@ -64,19 +65,35 @@ OfferFn = Callable[[MigrationOffer, OutputSink], None]
 
 
 class RelaySink:
-    """The client's sink, shared by D1 and D2 while a request moves: outputs pass in order and
-    nothing passes after the final one (whichever side ends the request first)."""
+    """The client's sink, shared by D1 and D2 while a request moves (either thread may emit):
+    each output token passes once, by its index in the request's output (an output carries
+    `num_output_tokens`: its new tokens are the last of those), in order, and nothing passes
+    after the final output, whichever side ends the request first. Should both sides ever
+    decode it (D2's `done` lost after D2 started, and D1 taking the request back), the client
+    still sees every token once."""
 
     def __init__(self, sink: OutputSink) -> None:
         self.sink = sink
         self.closed = False
+        self.delivered = 0             # output tokens the client has
+        self._lock = threading.Lock()
 
     def emit(self, out: ReqOutput) -> None:
-        if self.closed:
-            return
-        if out.finished:
-            self.closed = True
-        self.sink.emit(out)
+        with self._lock:
+            if self.closed:
+                return
+            first = out.num_output_tokens - len(out.new_token_ids)  # index of new_token_ids[0]
+            skip = max(0, self.delivered - first)
+            if skip and not out.finished and skip >= len(out.new_token_ids):
+                return  # nothing new
+            if skip:
+                out = replace(out, new_token_ids=out.new_token_ids[skip:],
+                              new_logprobs=None if out.new_logprobs is None
+                              else out.new_logprobs[skip:])
+            self.delivered = max(self.delivered, out.num_output_tokens)
+            if out.finished:
+                self.closed = True
+            self.sink.emit(out)
 
 
 @dataclass
