@@ -210,3 +210,29 @@ def test_target_without_room_keeps_the_request_running(cluster):
     for t in fillers:
         t.join(120)
     _idle(d1, d2)
+
+
+def test_client_abort_after_the_move_reaches_the_target(cluster):
+    """The client is gone (abort at D1, where its connection is): D1 passes it on to D2, which
+    ends the request; the client's sink gets one final abort and D2's pool is free again."""
+    p, d1, d2 = cluster["p"], cluster["d1"], cluster["d2"]
+    rid = new_rid()
+    sink = StreamSink(4, lambda: d1.migrate(rid, d2.accept_migration, abort_at=d2.abort))
+    prompt = list(range(3, 16))
+    rd = Req(rid=rid, prompt_ids=prompt, sampling=_sampling(200), sink=sink)
+    rp = Req(rid=rid, prompt_ids=prompt, sampling=_sampling(200))
+    for r in (rd, rp):
+        r.bootstrap_room = 7800
+        r.bootstrap_host, r.bootstrap_port = "127.0.0.1", p.kv_manager.channel.port
+    d1.submit(rd)
+    p.submit(rp)
+    deadline = time.monotonic() + 30
+    while sink.fired is None or not sink.fired.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert sink.fired.result()["moved"] is True
+    d1.abort(rid)
+    ids, _, final = sink.wait()
+    assert final.finish_reason["type"] == "abort" and final.finish_reason["status_code"] == 499
+    assert 4 <= len(ids) < 200
+    _idle(d1, d2)

@@ -102,6 +102,7 @@ class Outgoing:
     sender: Any
     result: Future
     started: float
+    abort_at: Callable[[str], None] | None = None
 
 
 class MigrationMixin:
@@ -114,13 +115,18 @@ class MigrationMixin:
         self.num_migrations_refused = 0   # offers this D refused (no room, ...)
         self.num_migrations_kept = 0      # requests of this D that could not move
         self.num_migration_landings = 0   # exports that landed the step in flight first
+        # moved requests whose client may still abort here: rid -> (req, relay, abort_at)
+        self._moved_to: dict[str, tuple[Req, RelaySink, Callable[[str], None]]] = {}
 
     # ------------------------------------------------------------------ thread-safe API
-    def migrate(self, rid: str, offer_to: OfferFn) -> Future:
-        """Move running request `rid` to the D that `offer_to(offer, sink)` reaches. The future
-        ends with {"moved": bool, "reason": str}: moved, or kept running here."""
+    def migrate(self, rid: str, offer_to: OfferFn,
+                abort_at: Callable[[str], None] | None = None) -> Future:
+        """Move running request `rid` to the D that `offer_to(offer, sink)` reaches; once it
+        moved, a client abort of `rid` here is passed on to `abort_at(rid)` (the target's
+        `abort`). The future ends with {"moved": bool, "reason": str}: moved, or kept running
+        here."""
         fut: Future = Future()
-        self.inbox.put(("migrate_out", (rid, offer_to, fut)))
+        self.inbox.put(("migrate_out", (rid, offer_to, fut, abort_at)))
         return fut
 
     def accept_migration(self, offer: MigrationOffer, sink: OutputSink) -> None:
@@ -136,7 +142,8 @@ class MigrationMixin:
             super().dispatch(msg)
 
     # ------------------------------------------------------------------ D1: out
-    def _migrate_out(self, rid: str, offer_to: OfferFn, fut: Future) -> None:
+    def _migrate_out(self, rid: str, offer_to: OfferFn, fut: Future,
+                     abort_at: Callable[[str], None] | None = None) -> None:
         req = self.reqs.get(rid)
         if req is not None and self.in_flight is not None and any(
                 r is req for r in self.in_flight.reqs):
@@ -162,7 +169,7 @@ class MigrationMixin:
             req.sink = RelaySink(req.sink)
         pages = self.pages_for(req.num_computed)
         sender.send(req.page_ids[:pages], prompt_len=req.num_computed)
-        self._outgoing[rid] = Outgoing(req, sender, fut, time.monotonic())
+        self._outgoing[rid] = Outgoing(req, sender, fut, time.monotonic(), abort_at)
         if sender.poll() == KVPoll.Failed:
             return  # resumed by the next poll
         sp = asdict(req.sampling)
@@ -197,8 +204,25 @@ class MigrationMixin:
         if self.reqs.get(req.rid) is req:
             del self.reqs[req.rid]
         self.num_migrated_out += 1
+        for gone in [k for k, v in self._moved_to.items() if v[1].closed]:
+            del self._moved_to[gone]  # ended at the target
+        if o.abort_at is not None and isinstance(req.sink, RelaySink):
+            self._moved_to[req.rid] = (req, req.sink, o.abort_at)
         log.info("%s moved to another D in %.3fs", req.rid, time.monotonic() - o.started)
         o.result.set_result({"moved": True, "reason": "done"})
+
+    def handle_abort(self, rid: str, only: Req | None = None) -> None:
+        """A client abort of a request that moved away goes on to the D it moved to."""
+        moved = self._moved_to.get(rid)
+        if moved is None or rid in self.reqs:
+            super().handle_abort(rid, only)
+            return
+        req, relay, abort_at = moved
+        if only is not None and only is not req:
+            return
+        del self._moved_to[rid]
+        if not relay.closed:
+            abort_at(rid)
 
     def _keep(self, o: Outgoing, why: str) -> None:
         req = o.req
