@@ -236,3 +236,45 @@ def test_client_abort_after_the_move_reaches_the_target(cluster):
     assert final.finish_reason["type"] == "abort" and final.finish_reason["status_code"] == 499
     assert 4 <= len(ids) < 200
     _idle(d1, d2)
+
+
+def test_failed_pull_keeps_the_request_running_on_the_source(cluster):
+    """D2's pull fails (an injected fault on its transfer engine): D2 ends its copy without a
+    word to the client, D1 (told `failed`) puts the request back in its decode batch and it
+    completes there with the unmoved run's tokens."""
+    d1, d2 = cluster["d1"], cluster["d2"]
+    prompt = list(range(40, 57))
+    sp = {"temperature": 0.6, "seed": 5, "frequency_penalty": 0.4, "logprobs": 1}
+    ref_ids, ref_lps, ref_final = _run_ref(cluster, prompt, 20, **sp)
+    faults = d2.kv_manager.engine.faults
+    faults.prob = 1.0
+    try:
+        (ids, lps, final), outcome = _run_pd(cluster, prompt, 20, 7900, d1, d2, migrate_at=5,
+                                             **sp)
+    finally:
+        faults.prob = 0.0
+    assert outcome["moved"] is False and "injected" in outcome["reason"], outcome
+    assert ids == ref_ids and final.finish_reason == ref_final.finish_reason
+    _close(lps, ref_lps)
+    _idle(d1, d2)
+
+
+def test_an_offer_nobody_takes_keeps_the_request_after_kv_timeout(cluster, monkeypatch):
+    """The offer is lost (the target never asks for the KV): after kv_timeout_s, not the
+    sender's longer expiry, D1 takes the request back and it completes."""
+    d1 = cluster["d1"]
+    monkeypatch.setattr(d1.kv_manager, "kv_timeout_s", d1.kv_manager.kv_timeout_s)  # restored
+
+    class Nobody:
+        @staticmethod
+        def accept_migration(offer, sink):
+            d1.kv_manager.kv_timeout_s = 0.3  # from now on: P's pull to D1 is done
+
+    prompt = list(range(60, 70))
+    ref_ids, _, ref_final = _run_ref(cluster, prompt, 16)
+    t0 = time.monotonic()
+    (ids, _, final), outcome = _run_pd(cluster, prompt, 16, 7950, d1, Nobody, migrate_at=4)
+    assert outcome["moved"] is False and "never asked" in outcome["reason"], outcome
+    assert time.monotonic() - t0 < 10  # sender_expiry_s is 15 here
+    assert ids == ref_ids and final.finish_reason == ref_final.finish_reason
+    _idle(d1)

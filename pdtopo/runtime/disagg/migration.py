@@ -52,6 +52,7 @@ from pdtopo.runtime.disagg.transport.kvpoll import KVPoll
 from pdtopo.runtime.disagg.transport.messages import MigrationOffer
 from pdtopo.runtime.engine.request import (
     FinishReason,
+    NullSink,
     OutputSink,
     Req,
     ReqOutput,
@@ -195,6 +196,12 @@ class MigrationMixin:
             elif state == KVPoll.Failed:
                 del self._outgoing[rid]
                 self._keep(o, str(o.sender.failure_exception()))
+            elif o.sender.peer is None and \
+                    time.monotonic() - o.started > self.kv_manager.kv_timeout_s:
+                # the offer never reached a D that took it: do not stall the request until
+                # the sender expires (sender_expiry_s); it goes on here at the next poll
+                o.sender.abort(f"the target D never asked for the KV within kv_timeout_s="
+                               f"{self.kv_manager.kv_timeout_s:g}", status=504)
 
     def _moved(self, o: Outgoing) -> None:
         req = o.req
@@ -273,8 +280,11 @@ class MigrationMixin:
             log.warning("room %s: cannot pull from %s: %s", offer.room, offer.source, exc)
             return  # D1's sender expires: it keeps the request
         now = time.monotonic()
-        req = Req(rid=offer.rid, prompt_ids=list(offer.prompt_ids), sampling=sampling, sink=sink,
-                  output_ids=list(offer.output_ids))
+        # the client's sink only once the KV is here: a failure before that (a pull error,
+        # a timeout) ends the request here in silence, and D1 (told `failed`) carries on
+        req = Req(rid=offer.rid, prompt_ids=list(offer.prompt_ids), sampling=sampling,
+                  sink=NullSink(), output_ids=list(offer.output_ids))
+        req.extra["client_sink"] = sink
         if sampling.logprobs >= 0:
             req.output_logprobs = list(offer.output_logprobs or [None] * len(offer.output_ids))
         req.num_emitted = len(req.output_ids)     # D1 emitted those
@@ -289,6 +299,7 @@ class MigrationMixin:
     def _start_migrated(self, req: Req, ready_info: Any) -> None:
         """The KV of a migrated request is in the pool: into the decode batch."""
         computed = int(req.extra["migrated_in"])
+        req.sink = req.extra.pop("client_sink")  # D1 has dropped it (`done`): ours from now
         if ready_info.prompt_len != computed:
             self.finish_request(req, FinishReason.abort(
                 f"the source D sent the KV of {ready_info.prompt_len} tokens, the request has "
