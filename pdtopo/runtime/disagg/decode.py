@@ -89,10 +89,18 @@ class SchedulerDisaggregationDecodeMixin(MigrationMixin, DisaggregationMixinBase
         return super().make_prefix_cache(eng)
 
     def warmup(self) -> None:
-        """The sampler (Scheduler.warmup), then the KV scatter for every page count."""
+        """The sampler (Scheduler.warmup), then the KV scatter for every page count (with
+        migration on, the gather too)."""
         super().warmup()
-        self.kv_manager.warmup_kernels("decode", self.runner.max_pages_per_seq,
-                                       self.peer_layouts("prefill"))
+        pages = self.runner.max_pages_per_seq
+        if not self.ctx.settings.disaggregation.migration:
+            self.kv_manager.warmup_kernels("decode", pages, self.peer_layouts("prefill"))
+            return
+        # a D that migrates also gathers (and cuts) its pages for the other D instances, and
+        # scatters what they send it (migration.py)
+        others = self.peer_layouts("decode")
+        self.kv_manager.warmup_kernels("decode", pages, [*self.peer_layouts("prefill"), *others])
+        self.kv_manager.warmup_kernels("prefill", pages, others)
 
     # ------------------------------------------------------------------ loop
     def step(self) -> None:
