@@ -112,6 +112,7 @@ class DisaggregationSettings:
     side_channel_max_peers: int = MISSING
     side_channel_peer_idle_s: float = MISSING
     resolve_threads: int = MISSING
+    migration: bool = MISSING
 
 
 @dataclass(frozen=True)

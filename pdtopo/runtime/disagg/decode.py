@@ -25,6 +25,7 @@ and `bootstrap_room`. Per request, on the scheduler thread, never blocking:
                           colocated server: it proves this engine works without needing a P.
 
 Decoding itself is the engine's ordinary continuous batching (pages grow as tokens come).
+A running request can move to another D, KV and all (migration.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from pdtopo.runtime.disagg.migration import MigrationMixin
 from pdtopo.runtime.disagg.mixin_base import PENDING_POLL_S, DisaggregationMixinBase
 from pdtopo.runtime.disagg.observability import decode_timeline
 from pdtopo.runtime.disagg.transport.base import KVTransferError
@@ -58,7 +60,7 @@ class PendingTransfer:
     peer_addr: str
 
 
-class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
+class SchedulerDisaggregationDecodeMixin(MigrationMixin, DisaggregationMixinBase):
     role = "decode"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -77,6 +79,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         self.num_pulled_pages = 0
         self.num_pulled_bytes = 0
         self.num_decode_cached_pages = 0   # prompt pages D's own prefix cache held (not pulled)
+        self._init_migration()
 
     def make_prefix_cache(self, eng):
         """D keeps no prefix cache by default (the RFC's chunk cache: every prompt's KV comes
@@ -86,13 +89,23 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         return super().make_prefix_cache(eng)
 
     def warmup(self) -> None:
-        """The sampler (Scheduler.warmup), then the KV scatter for every page count."""
+        """The sampler (Scheduler.warmup), then the KV scatter for every page count (with
+        migration on, the gather too)."""
         super().warmup()
-        self.kv_manager.warmup_kernels("decode", self.runner.max_pages_per_seq,
-                                       self.peer_layouts("prefill"))
+        pages = self.runner.max_pages_per_seq
+        if not self.ctx.settings.disaggregation.migration:
+            self.kv_manager.warmup_kernels("decode", pages, self.peer_layouts("prefill"))
+            return
+        # a D that migrates also gathers (and cuts) its pages for the other D instances, and
+        # scatters what they send it (migration.py)
+        others = self.peer_layouts("decode")
+        self.kv_manager.warmup_kernels("decode", pages, [*self.peer_layouts("prefill"), *others])
+        self.kv_manager.warmup_kernels("prefill", pages, others)
 
     # ------------------------------------------------------------------ loop
     def step(self) -> None:
+        if self._outgoing:
+            self._poll_outgoing()
         if self._pending:
             self._process_prealloc_queue()
             self._process_transfer_queue()
@@ -100,10 +113,10 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         super().step()
 
     def has_work(self) -> bool:
-        return bool(self._pending) or super().has_work()
+        return bool(self._pending or self._outgoing) or super().has_work()
 
     def idle_wait(self, timeout: float | None = None) -> None:
-        if timeout is None and self._pending:
+        if timeout is None and (self._pending or self._outgoing):
             timeout = PENDING_POLL_S
         super().idle_wait(timeout)
 
@@ -137,6 +150,13 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         pending = PendingTransfer(req, receiver, addr)
         self._pending[req.rid] = pending
         self.prealloc_queue.append(pending)
+
+    def queue_transfer(self, req: Req, receiver: Any, addr: str) -> None:
+        """A request whose pages are allocated and given to `receiver` (a migration's):
+        straight into the transfer queue."""
+        pending = PendingTransfer(req, receiver, addr)
+        self._pending[req.rid] = pending
+        self.transfer_queue.append(pending)
 
     def _tell_prefill(self, req: Req, addr: str) -> None:
         """D refused the request before asking for its KV: fail the room at P too, so P stops
@@ -206,13 +226,17 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 m.transfer_seconds.observe(max(0.0, t["pull_end"] - t["pull_start"]))
 
     def _process_ready_queue(self) -> None:
-        while self.ready_queue and len(self.running) < self.max_running:
+        # a request moving away keeps its decode row until it is gone (it may come back)
+        while self.ready_queue and len(self.running) + len(self._outgoing) < self.max_running:
             p = self.ready_queue.popleft()
             self._pending.pop(p.req.rid, None)
             self._start_decoding(p)
 
     def _start_decoding(self, p: PendingTransfer) -> None:
         req, info = p.req, p.receiver.ready_info
+        if "migrated_in" in req.extra:
+            self._start_migrated(req, info)
+            return
         if info.first_token is None or info.prompt_len != len(req.prompt_ids):
             self.finish_request(req, FinishReason.abort(
                 f"P's KV does not match this request: P prefilled {info.prompt_len} tokens "
@@ -235,6 +259,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
         self.finish_request(p.req, FinishReason.abort(f"KV transfer failed: {exc}", status))
 
     def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
+        if self._outgoing:
+            self._end_outgoing(req, reason)
         p = self._pending.get(req.rid)
         if p is not None and p.req is req:  # never the transfer of a live duplicate's rid
             del self._pending[req.rid]
@@ -260,7 +286,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationMixinBase):
                 "pd_side_channel_peers": stats.get("peers_open", 0),
                 "pd_side_channel_peers_closed": stats.get("peers_closed", 0),
                 "pd_side_channel_peers_refused": stats.get("peer_refused", 0),
-                "pd_peer_cache": self.peers.cached()}
+                "pd_peer_cache": self.peers.cached(), **self.migration_state()}
 
     def stop(self, timeout: float = 30.0) -> None:
         super().stop(timeout)

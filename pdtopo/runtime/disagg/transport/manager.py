@@ -169,7 +169,8 @@ class JaxTransferKVManager(ReshardPaths, BaseKVManager):
         d = ctx.settings.disaggregation
         engine = JaxTransferKVEngine.from_context(ctx)
         bind = None
-        if ctx.role == "prefill":
+        if ctx.role == "prefill" or (ctx.role == "decode" and d.migration):
+            # a D that migrates requests away offers their KV like P (disagg/migration.py)
             bind = f"{ctx.bind_host}:{int(ctx.ports['zmq'])}"
         curve = None
         configured = ctx.settings.server.bind_host

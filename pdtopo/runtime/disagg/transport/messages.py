@@ -23,6 +23,13 @@ Every message is one JSON object, UTF-8, at most `max_bytes` long, with a protoc
 | done   | D -> P    | room, ok (bool), reason (optional)                                     |
 | failed | both      | room, reason (str), status (optional HTTP status int)                  |
 
+Migration (docs: issue 50) moves a running decode from D1 to D2 with the same four messages: D1
+offers the request to D2 (`MigrationOffer`, below: not a side-channel message, since D1 cannot
+open a conversation on D2's side channel; in one process it is handed over directly, between
+servers it is the body of a call to D2), D2 sends `want` for the offer's room to D1's side
+channel, D1 answers `ready` (its pages gathered like a prompt's, `prompt_len` = the tokens whose
+KV they hold), D2 pulls and sends `done`, and D1 frees the pages.
+
 `decode(raw, max_bytes)` returns a typed message or raises `MessageError` whose text says what
 was wrong; callers log and drop such messages. Unknown fields are ignored (forward compatible);
 missing or mistyped known fields are errors.
@@ -301,3 +308,131 @@ def decode(raw: bytes, max_bytes: int) -> Message:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MessageError(f"not valid UTF-8 JSON ({e.__class__.__name__}: {e})") from None
     return from_dict(d)
+
+
+# ---------------------------------------------------------------------------- migration
+# SamplingParams fields a MigrationOffer carries, with their JSON types
+_SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
+    "max_new_tokens": (int,), "temperature": (int, float), "top_p": (int, float),
+    "top_k": (int,), "seed": (int,), "stop": (list,), "stop_token_ids": (list,),
+    "ignore_eos": (bool,), "skip_special_tokens": (bool,), "no_stop_trim": (bool,),
+    "max_new_tokens_given": (bool,), "min_p": (int, float), "presence_penalty": (int, float),
+    "frequency_penalty": (int, float), "repetition_penalty": (int, float), "logprobs": (int,),
+    "n": (int,)}
+
+
+@dataclass(frozen=True)
+class MigrationOffer:
+    """D1 -> D2: a running request to continue, and where its KV waits (D1's side channel
+    `source`, `room`). Its state at a step boundary: every token's id, the logprobs emitted
+    (when asked for), the sampling settings with the settled seed (the next token's index is
+    len(output_ids): seeded draws go on where they stopped), and `num_computed`, the tokens
+    whose KV the `page_count` pages hold (all but the newest output token, which D2 computes
+    first). Penalty counts and the stop-string tail are rebuilt from the ids."""
+
+    room: int
+    rid: str
+    source: str                     # D1's side channel, host:port
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    num_computed: int
+    page_count: int
+    sampling: dict[str, Any]
+    output_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    cached_tokens: int = 0
+    type: str = field(default="migrate", init=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prompt_ids"], d["output_ids"] = list(self.prompt_ids), list(self.output_ids)
+        d["output_logprobs"] = None if self.output_logprobs is None else [
+            None if lp is None else [lp.logprob, [[t, x] for t, x in lp.top]]
+            for lp in self.output_logprobs]
+        d["v"] = PROTOCOL_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, max_tokens: int = 1 << 20) -> MigrationOffer:
+        """Validate an offer (MessageError says what is wrong)."""
+        if not isinstance(d, dict):
+            raise MessageError(f"migrate offer must be a JSON object, got {type(d).__name__}")
+        if d.get("v") != PROTOCOL_VERSION or d.get("type", "migrate") != "migrate":
+            raise MessageError(f"migrate offer: unsupported version or type "
+                               f"(v={d.get('v')!r}, type={d.get('type')!r})")
+        t = "migrate"
+        room = _get(d, "room", (int,), mtype=t)
+        if not 0 <= room <= MAX_ROOM:
+            raise MessageError(f"migrate offer: room {room} is outside [0, 2**64)")
+        rid = _get(d, "rid", (str,), mtype=t)
+        source = _get(d, "source", (str,), mtype=t)
+        host, _, port = source.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise MessageError(f"migrate offer: source must be host:port, got {source!r}"[:300])
+
+        def ids(key: str) -> tuple[int, ...]:
+            raw = _get(d, key, (list,), mtype=t)
+            if len(raw) > max_tokens or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in raw):
+                raise MessageError(f"migrate offer: {key} must be at most {max_tokens} token "
+                                   f"ids >= 0")
+            return tuple(raw)
+
+        prompt, output = ids("prompt_ids"), ids("output_ids")
+        if not prompt or not output:
+            raise MessageError("migrate offer: prompt_ids and output_ids must not be empty "
+                               "(a request migrates once it decodes)")
+        computed = _get(d, "num_computed", (int,), mtype=t)
+        if computed != len(prompt) + len(output) - 1:
+            raise MessageError(f"migrate offer: num_computed must be every token but the newest "
+                               f"({len(prompt) + len(output) - 1}), got {computed}")
+        pages = _get(d, "page_count", (int,), mtype=t)
+        if not 1 <= pages <= computed:
+            raise MessageError(f"migrate offer: page_count {pages} is outside [1, {computed}]")
+        sampling = _get(d, "sampling", (dict,), mtype=t)
+        for key, val in sampling.items():
+            kinds = _SAMPLING_FIELDS.get(key)
+            if kinds is None:
+                raise MessageError(f"migrate offer: unknown sampling field {key!r}"[:300])
+            if val is None and key == "seed":
+                raise MessageError("migrate offer: sampling.seed must be settled (an int)")
+            if (isinstance(val, bool) and bool not in kinds) or not isinstance(val, kinds):
+                raise MessageError(f"migrate offer: sampling.{key} has the wrong type "
+                                   f"({type(val).__name__})")
+            if isinstance(val, float) and not math.isfinite(val):
+                raise MessageError(f"migrate offer: sampling.{key} must be finite")
+        if not isinstance(sampling.get("seed"), int):
+            raise MessageError("migrate offer: sampling.seed must be settled (an int)")
+        if not all(isinstance(s, str) and s for s in sampling.get("stop", [])) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                for x in sampling.get("stop_token_ids", [])):
+            raise MessageError("migrate offer: sampling.stop / stop_token_ids are malformed")
+        raw_lps = _get(d, "output_logprobs", (list,), optional=True, mtype=t)
+        lps = None
+        if raw_lps is not None:
+            if len(raw_lps) != len(output):
+                raise MessageError(f"migrate offer: {len(raw_lps)} output_logprobs for "
+                                   f"{len(output)} output tokens")
+            lps = tuple(_offer_logprob(x) for x in raw_lps)
+        cached = _get(d, "cached_tokens", (int,), optional=True, mtype=t) or 0
+        if not 0 <= cached <= len(prompt):
+            raise MessageError(f"migrate offer: cached_tokens {cached} outside [0, "
+                               f"{len(prompt)}]")
+        return cls(room=room, rid=rid, source=source, prompt_ids=prompt, output_ids=output,
+                   num_computed=computed, page_count=pages, sampling=dict(sampling),
+                   output_logprobs=lps, cached_tokens=cached)
+
+
+def _offer_logprob(x: Any) -> TokenLogprob | None:
+    if x is None:
+        return None
+    if (not isinstance(x, list) or len(x) != 2 or not _finite(x[0])
+            or not isinstance(x[1], list) or len(x[1]) > MAX_TOP_LOGPROBS):
+        raise MessageError(f"migrate offer: an output logprob must be [logprob, [[token id, "
+                           f"logprob], ...]] or null, got {x!r}"[:300])
+    top = []
+    for pair in x[1]:
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)
+                and not isinstance(pair[0], bool) and pair[0] >= 0 and _finite(pair[1])):
+            raise MessageError(f"migrate offer: bad top logprob pair {pair!r}"[:300])
+        top.append((int(pair[0]), float(pair[1])))
+    return TokenLogprob(float(x[0]), tuple(top))
