@@ -21,6 +21,9 @@ The model:
   at once, lets it finish every request it was given, then `drain_s` to stop (the role's last
   instance, as `pdtopo scale` shrinks a role); a role change drains the instance with the
   least left to do, then starts up in the new role. One change at a time, as the planner says.
+Host noise (calibration, off by default): with `jitter`, every P step, KV transfer and D step
+lasts its modelled time times a multiplier drawn (seeded by `jitter_seed`) from `jitter`, e.g.
+measured step times divided by their median (benchmarks/bench_planner.py's validation).
 KV pages, preemption, prefix caching, P's held-KV budget and network contention are not
 modelled. Requests not done `tail_s` after the last arrival count as timed out. Statistics
 are pdtopo.bench.stats.summarize over the trace's span (goodput: requests within both SLOs
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +60,8 @@ class SimParams:
     startup_s: float = 20.0            # a new instance: start -> serving
     drain_s: float = 2.0               # a drained instance: last request done -> chips free
     tail_s: float = 120.0              # simulated past the last arrival
+    jitter: tuple[float, ...] = ()     # duration multipliers to draw from (() = none)
+    jitter_seed: int = 0
 
 
 @dataclass
@@ -137,8 +143,12 @@ class _Sim:
         self.decisions: list[Decision] = []
         self.memory = PlannerMemory(live=LiveCapacity(max_batch=params.profile.max_batch))
         self.done = 0
+        self.rng = random.Random(params.jitter_seed)
 
     # -- plumbing
+    def noise(self) -> float:
+        return self.rng.choice(self.p.jitter) if self.p.jitter else 1.0
+
     def at(self, t: float, fn: Callable, *args) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn, args))
 
@@ -183,7 +193,7 @@ class _Sim:
         finished_now = [inst.queue.popleft() for _ in range(done)]
         inst.running = finished_now
         inst.busy = True
-        step = tokens / self.p.profile.prefill_tps + self.p.step_overhead_s
+        step = (tokens / self.p.profile.prefill_tps + self.p.step_overhead_s) * self.noise()
         self.at(self.now + step, self.p_step_end, inst, tokens, finished_now)
 
     def p_step_end(self, inst: _Instance, tokens: int, done: list[_Req]) -> None:
@@ -194,8 +204,8 @@ class _Sim:
         for r in done:
             w.finished += 1
             w.ttft.append(self.now - r.req.arrival)
-            latency = self.p.transfer_base_s + \
-                self.p.profile.transfer_s_per_token * r.req.input_len
+            latency = (self.p.transfer_base_s +
+                       self.p.profile.transfer_s_per_token * r.req.input_len) * self.noise()
             assert r.d is not None
             self.at(self.now + latency, self.d_receive, r.d, r)
             self._release(inst)
@@ -219,7 +229,7 @@ class _Sim:
         if not inst.running:
             return
         batch = len(inst.running)
-        step = self.p.profile.step_s(batch)
+        step = self.p.profile.step_s(batch) * self.noise()
         inst.busy = True
         self.at(self.now + step, self.d_step_end, inst, step)
 
