@@ -2,8 +2,9 @@
 
 `TextView` turns a request's output ids into the text a client may see: while generating it
 holds back an incomplete UTF-8 tail (U+FFFD) and the last len(stop)-1 characters (they might
-start a stop string); at the end it trims the matched stop token / stop string (sglang's
-default, unless `no_stop_trim`). `collect(handles, request)` awaits every handle's final output,
+start a stop string), decoding only the newest ids (`IncrementalText`); at the end it trims
+the matched stop token / stop string (sglang's default, unless `no_stop_trim`).
+`collect(handles, request)` awaits every handle's final output,
 checking for a disconnected client every DISCONNECT_CHECK_S seconds and aborting on it (pages are freed by the
 scheduler). `merged_outputs(handles)` yields `(index, output)` from several handles as they
 come, and aborts whatever is unfinished if the consumer goes away (client disconnect cancels the
@@ -33,12 +34,44 @@ class ClientDisconnected(Exception):
     pass
 
 
+class IncrementalText:
+    """`decode(ids)` of a request's growing output ids that decodes only the newest of them:
+    the text of the ids up to the kept point is kept, and the ids from the point before it
+    (`prefix`, so that a token's text comes out as inside the sequence: word-joining spaces)
+    are decoded and diffed against that window's old part. The kept point moves only past
+    text that does not end in U+FFFD (a split UTF-8 character). Ids that do not extend the
+    kept ones, or a window whose text does not extend its old part's, are decoded whole."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []  # the kept ids
+        self.text = ""            # their text
+        self.prefix = 0
+
+    def decode(self, ids: list[int]) -> str:
+        kept = len(self.ids)
+        if len(ids) < kept or ids[:kept] != self.ids:
+            return self.tokenizer.decode(ids)
+        if len(ids) == kept:
+            return self.text
+        old = self.tokenizer.decode(self.ids[self.prefix:])
+        window = self.tokenizer.decode(ids[self.prefix:])
+        if window.startswith(old):
+            text = self.text + window[len(old):]
+        else:  # not prefix-stable here: decode it all (and keep that)
+            text = window = self.tokenizer.decode(ids)
+        if not window.endswith("\ufffd"):
+            self.ids, self.text, self.prefix = list(ids), text, kept
+        return text
+
+
 class TextView:
     def __init__(self, tokenizer, handle: Handle):
         self.tokenizer = tokenizer
         self.sampling = handle.req.sampling
         self.holdback = max((len(s) for s in self.sampling.stop), default=1) - 1
         self.sent = ""
+        self.streamed = IncrementalText(tokenizer)
 
     def visible(self, ids: list[int], final: ReqOutput | None) -> str:
         sp = self.sampling
@@ -46,7 +79,8 @@ class TextView:
         matched = reason.get("matched")
         if (isinstance(matched, int) and not sp.no_stop_trim and ids and ids[-1] == matched):
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
+        # while streaming only the newest ids are decoded; the final text is decoded whole
+        text = self.tokenizer.decode(ids) if final is not None else self.streamed.decode(ids)
         if final is not None:
             if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
                 text = text[:text.index(matched)]
