@@ -240,24 +240,30 @@ def _kv_scratch(blocks: KernelBlocks, pool_shape, dtype, rows: int):
             pltpu.VMEM((kv_heads, rows, head_dim), jnp.float32)]
 
 
+def _call(kind, kernel, q, k_pool, v_pool, scalars, block, steps, rows, interpret):
+    """One kind's pallas_call: q/out blocks of shape `block` per grid step, pools in HBM,
+    the shared KV scratch for `rows` matmul rows, grid steps independent ("parallel")."""
+    spec = pl.BlockSpec(block, lambda i, *_: (i, 0, 0, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars), grid=(steps,), in_specs=[spec, any_spec, any_spec],
+            out_specs=spec, scratch_shapes=_kv_scratch(kind, k_pool.shape, k_pool.dtype, rows)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret, name=NAMES[kind.kind],
+    )(*scalars, q, k_pool, v_pool)
+
+
 def _decode_call(q_dec, k_pool, v_pool, scalars, blocks, width, sm_scale, interpret):
-    steps = scalars[3].shape[0] // blocks.seqs
     _, kv_heads, group, head_dim = q_dec.shape
     kernel = functools.partial(_decode_kernel, seqs=blocks.seqs,
                                kv_pages=blocks.kv_pages(k_pool.shape[1]), width=width,
                                sm_scale=sm_scale)
-    spec = pl.BlockSpec((blocks.seqs, kv_heads, group, head_dim), lambda i, *_: (i, 0, 0, 0))
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(q_dec.shape, q_dec.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(steps,), in_specs=[spec, any_spec, any_spec],
-            out_specs=spec,
-            scratch_shapes=_kv_scratch(blocks, k_pool.shape, k_pool.dtype, group)),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=interpret, name=NAMES["decode"],
-    )(*scalars, q_dec, k_pool, v_pool)
+    return _call(blocks, kernel, q_dec, k_pool, v_pool, scalars,
+                 (blocks.seqs, kv_heads, group, head_dim), scalars[3].shape[0] // blocks.seqs,
+                 group, interpret)
 
 
 def _prefill_call(q_pf, k_pool, v_pool, scalars, blocks, width, sm_scale, interpret):
@@ -265,18 +271,8 @@ def _prefill_call(q_pf, k_pool, v_pool, scalars, blocks, width, sm_scale, interp
     kernel = functools.partial(_prefill_kernel, q_tokens=blocks.q_tokens, group=blocks.group,
                                kv_pages=blocks.kv_pages(k_pool.shape[1]), width=width,
                                sm_scale=sm_scale)
-    spec = pl.BlockSpec((None, kv_heads, rows, head_dim), lambda j, *_: (j, 0, 0, 0))
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(q_pf.shape, q_pf.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=(steps,), in_specs=[spec, any_spec, any_spec],
-            out_specs=spec,
-            scratch_shapes=_kv_scratch(blocks, k_pool.shape, k_pool.dtype, rows)),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=interpret, name=NAMES["prefill"],
-    )(*scalars, q_pf, k_pool, v_pool)
+    return _call(blocks, kernel, q_pf, k_pool, v_pool, scalars,
+                 (None, kv_heads, rows, head_dim), steps, rows, interpret)
 
 
 def check_shapes(q_shape: tuple, pool_shape: tuple) -> None:
