@@ -7,12 +7,17 @@ One command: `python benchmarks/bench_planner.py [--skip-real] [--profile PROFIL
 1. Validation (real): a 1P1D deployment of the tiny model (2 layers) on this machine. Its
    per-instance capacity is measured first, in the planner's profile format (a P's prompt
    tokens/s and the fixed cost per request from lone prompts of 32 and 512 tokens, a D's step
-   time at batch 1, 4, 16 from 96-token answers; written to OUT/profile_tiny_cpu.json), and
-   the host's noise (2-token decode windows at batch 1 and 4 over the mean step). Then a
-   steady Poisson load (3 req/s, 64-token prompts, 32-token answers, 60 s) runs through the
+   time at batch 1, 4, 16 from 96-token answers; written to OUT/profile_tiny_cpu.json), then
+   an open-loop calibration (LONE: lone requests at fixed times, the D idle in between as
+   under the load): the fixed cost per request (its TTFT less the prefill), the host's noise
+   (every inter-token gap but an answer's first and last over the batch-1 step) and D's emit
+   lag (overlap scheduling emits a step's tokens once the next step is dispatched, an
+   answer's last token at once: the mean gap less the last gap; SimParams.emit_lag_s). Then
+   a steady Poisson load (3 req/s, 64-token prompts, 32-token answers, 60 s) runs through the
    router, and the simulator runs the same requests (same arrival times and lengths) on that
-   profile, with the noise drawn into every step and transfer (SimParams.jitter) and without;
-   TTFT/ITL p50/p99 of each and the relative differences are printed (goal: within 25 %).
+   profile with the emit lag, with the noise drawn into every step and transfer
+   (SimParams.jitter) and without; TTFT/ITL p50/p99 of each and the relative differences are
+   printed (goal: within 25 %).
 2. Real planner: 1P1D on cpu-3 (a budget of 3 one-chip instances), the planner in act mode
    every 3 s, a compressed prompt-heavy / decode-heavy / prompt-heavy load from 4 client
    threads (tests/e2e/test_planner_e2e.py's approach and fixed planner profile: the instances
@@ -40,7 +45,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -49,7 +54,7 @@ from pdtopo.bench.deployments import DetachedDeployment, log_tails, port_overrid
 from pdtopo.bench.loadgen import arrival_offsets, run_load
 from pdtopo.bench.settings import BenchSettings
 from pdtopo.bench.settings import Slo as BenchSlo
-from pdtopo.bench.stats import summarize
+from pdtopo.bench.stats import request_itls, summarize
 from pdtopo.bench.workload import BenchRequest
 from pdtopo.launcher.operate import planner_files
 from pdtopo.planner.budget import Counts
@@ -64,6 +69,8 @@ from pdtopo.ports import free_port_block
 MODEL = ["model=tiny_llama", "model.num_layers=2"]
 CHUNK_TOKENS = 1024        # engine.max_prefill_tokens (conf/config.yaml)
 MAX_BATCH = 32             # engine.max_running_requests
+# part 1's open-loop calibration: (requests, prompt tokens, answer tokens, req/s at fixed times)
+LONE = (31, 48, 48, 4.0)
 # measured by this file's last full run (part 1) on this machine: used with --skip-real
 LAST_MEASURED = {"prefill_tps": 25146.26350989208,
                  "decode_tps": [[1, 617.7785475599311], [4, 1574.5192402261225],
@@ -100,17 +107,31 @@ def _settings(**kw) -> BenchSettings:
                                         "max_concurrency": 64, **kw})
 
 
-def measure_profile(url: str) -> tuple[InstanceProfile, float, tuple[float, ...]]:
-    """(the 1P1D's per-instance profile, the fixed part of TTFT in s, host-noise multipliers:
-    the mean step of every 2 tokens at batch 1 and 4 over that batch's mean step)."""
+@dataclass(frozen=True)
+class Calibration:
+    """What part 1 measures besides the profile (see measure_profile)."""
+
+    base_s: float                  # the fixed part of TTFT
+    jitter: tuple[float, ...]      # host noise: a decode gap over the profile's step
+    emit_lag_s: float              # D's overlap read-back (SimParams.emit_lag_s)
+
+
+def measure_profile(url: str) -> tuple[InstanceProfile, Calibration]:
+    """The 1P1D's per-instance profile, from closed-loop runs (one request or one batch after
+    the other), and what the same D does under open-loop arrivals (`LONE` requests at fixed
+    times, the D idle in between, as it mostly is under the validation's load): their TTFT
+    less the prompt's prefill gives the fixed cost per request, every inter-token gap (as the
+    ITL statistics split them) but the first and the last over the profile's batch-1 step
+    gives the host noise, and the mean gap less the last gap gives D's emit lag (overlap
+    scheduling: a step's tokens leave once the next step is dispatched, a request's last token
+    at once)."""
     ttft = {}
     for n_in in (32, 512):
         results, _ = run_load(url, _requests(6, n_in, 2, n_in), _settings(max_concurrency=1))
         vals = [r.token_times[0] - r.start for r in results if r.ok and r.token_times]
         ttft[n_in] = statistics.median(vals[1:])   # the first one warms the shape
     slope = max((ttft[512] - ttft[32]) / (512 - 32), 1e-6)
-    base = max(ttft[32] - 32 * slope, 0.0)
-    points, jitter = [], []
+    points = []
     for b in (1, 4, 16):
         n = 4 * b if b == 1 else b  # batch 1: four answers one after the other
         results, _ = run_load(url, _requests(n, 8, 96, 100 + b), _settings(max_concurrency=b))
@@ -118,17 +139,25 @@ def measure_profile(url: str) -> tuple[InstanceProfile, float, tuple[float, ...]
         # tokens that arrive in one stream chunk share a time, hence not per-gap medians
         steps = [(r.token_times[-1] - r.token_times[16]) / (len(r.token_times) - 17)
                  for r in results if r.ok and len(r.token_times) > 20]
-        step = statistics.median(steps)
-        points.append((b, b / step))
-        if b <= 4:  # windows of 2 tokens: a stall counts, a burst of one chunk hardly
-            jitter += [(t[i + 2] - t[i]) / 2 / step for r in results if r.ok
-                       for t in [r.token_times] for i in range(16, len(t) - 2, 2)]
-    return (InstanceProfile(prefill_tps=1 / slope, decode_tps=tuple(points), max_batch=16,
-                            chips=1, source="measured: 1P1D tiny_llama 2 layers, this run"),
-            base, tuple(round(j, 3) for j in jitter))
+        points.append((b, b / statistics.median(steps)))
+    profile = InstanceProfile(prefill_tps=1 / slope, decode_tps=tuple(points), max_batch=16,
+                              chips=1, source="measured: 1P1D tiny_llama 2 layers, this run")
+    n_req, n_in, n_out, rate = LONE
+    results, _ = run_load(url, _requests(n_req, n_in, n_out, 200),
+                          _settings(request_rate=rate, arrival="fixed"))
+    done = [r for r in results[1:] if r.ok and len(r.token_times) == n_out]
+    base = max(statistics.median(r.token_times[0] - r.start for r in done) - n_in * slope, 0.0)
+    step = profile.step_s(1)
+    jitter, lags = [], []
+    for r in done:
+        t = r.token_times
+        jitter += [g / step for g in request_itls(replace(r, token_times=t[1:-1]))]
+        lags.append((t[-2] - t[1]) / (len(t) - 3) - (t[-1] - t[-2]))
+    return profile, Calibration(base, tuple(round(j, 3) for j in jitter),
+                                max(statistics.median(lags), 0.0))
 
 
-def validate(root: Path) -> tuple[InstanceProfile, float]:
+def validate(root: Path) -> tuple[InstanceProfile, Calibration]:
     line("== 1. validation: the simulator against a real 1P1D (tiny model, 2 layers) ==")
     dep = DetachedDeployment(root / "val", ["topology=1p1d_cpu", *MODEL,
                                             *port_overrides(free_port_block(40))])
@@ -136,14 +165,18 @@ def validate(root: Path) -> tuple[InstanceProfile, float]:
     dep.launch()
     line(f"1P1D healthy in {time.monotonic() - t0:.1f} s")
     try:
-        profile, base, jitter = measure_profile(dep.proxy_url)
+        profile, cal = measure_profile(dep.proxy_url)
+        base = cal.base_s
         line(f"measured profile: prefill {profile.prefill_tps:.0f} prompt tok/s + "
              f"{base * 1e3:.1f} ms per request (router, transfer, D admission); decode step "
              + ", ".join(f"{b / t * 1e3:.2f} ms at batch {b}" for b, t in profile.decode_tps))
-        js = sorted(jitter)
-        line(f"host noise: {len(js)} 2-token decode windows at batch 1 and 4, step / mean step: p50 "
-             f"{js[len(js) // 2]:.2f}, p90 {js[int(len(js) * .9)]:.2f}, p99 "
-             f"{js[int(len(js) * .99)]:.2f}, max {js[-1]:.2f}")
+        js = sorted(cal.jitter)
+        line(f"open-loop calibration ({LONE[0]} lone requests at {LONE[3]:g} req/s, fixed times, "
+             f"{LONE[1]}-token prompts, {LONE[2]}-token answers): host noise, {len(js)} "
+             f"inter-token gaps / the batch-1 step: p50 {js[len(js) // 2]:.2f}, p90 "
+             f"{js[int(len(js) * .9)]:.2f}, p99 {js[int(len(js) * .99)]:.2f}, max {js[-1]:.2f}; "
+             f"D's emit lag (overlap read-back: mean gap less the last gap) "
+             f"{cal.emit_lag_s * 1e3:.2f} ms")
         rate, n = 3.0, 180
         settings = _settings(request_rate=rate, seed=SEED)
         reqs = _requests(n, 64, 32, 7)
@@ -155,14 +188,14 @@ def validate(root: Path) -> tuple[InstanceProfile, float]:
     real = summarize(results, dur, slo, by_tag=False)
     trace = [SimRequest(i, off, 64, 32, "") for i, off in enumerate(offsets)]
     params = SimParams(profile, chunk_tokens=CHUNK_TOKENS, step_overhead_s=0.0,
-                       transfer_base_s=base, tail_s=60)
+                       transfer_base_s=base, tail_s=60, emit_lag_s=cal.emit_lag_s)
     plain = simulate(trace, params, Counts(1, 1), slo=slo, duration_s=offsets[-1]).stats
-    sim = simulate(trace, replace(params, jitter=jitter), Counts(1, 1), slo=slo,
+    sim = simulate(trace, replace(params, jitter=cal.jitter), Counts(1, 1), slo=slo,
                    duration_s=offsets[-1]).stats
     line(f"load: {n} requests, Poisson {rate} req/s, 64-token prompts, 32-token answers "
          f"({dur:.0f} s); failed: {real['requests']['failed']}")
-    line("sim: the same arrivals and lengths on the measured profile, with the host noise "
-         "(steps and transfers x a multiplier drawn from it) and without")
+    line("sim: the same arrivals and lengths on the measured profile and D's emit lag, with "
+         "the host noise (steps and transfers x a multiplier drawn from it) and without")
     line(f"{'':10}{'real ms':>10}{'sim ms':>10}{'diff':>8}{'no-noise':>10}{'diff':>8}")
     worst = 0.0
     for kind in ("ttft", "itl"):
@@ -176,7 +209,7 @@ def validate(root: Path) -> tuple[InstanceProfile, float]:
     line(f"largest relative difference {worst:.0%}: {verdict} the 25 % goal"
          + ("" if worst <= 0.25 else " (the real tails come from host noise: 2 cores shared with other "
             "jobs, Python GC, HTTP; the simulator draws it from one short calibration run)"))
-    return profile, base
+    return profile, cal
 
 
 # ---------------------------------------------------------------------------- real planner
@@ -342,6 +375,9 @@ def simulated(cpu: InstanceProfile, base_s: float, where: str) -> tuple[float, f
          f"{settings.interval_s:g} s, min_change_interval {settings.hysteresis.min_change_interval_s:g} s, "
          f"margin {settings.hysteresis.margin}, capacity from the tp=2 profile; budget 8 chips "
          f"of tp=2 instances, started from 2P2D")
+    line("- D's emit lag (part 1's overlap read-back) not carried over: 0 on the TPU, whose "
+         "host reads step N back while the chip runs step N+1 (here host and model share 2 "
+         "cores, so the read-back waits for the next step's dispatch)")
     line(f"- model: chunked prefill ({params2.chunk_tokens} tokens per P step at tp=2), "
          "continuous batching at D, round-robin router; no KV pages, preemption, prefix "
          "cache or network contention")
@@ -397,8 +433,10 @@ def main() -> int:
         cpu = load_profile(_write(root / "last_measured.json", LAST_MEASURED))
         base, where = LAST_MEASURED["transfer_base_s"], "LAST_MEASURED in this file"
     if not args.skip_real:
-        cpu, base = validate(root)
-        _write(root / "profile_tiny_cpu.json", {**cpu.to_dict(), "transfer_base_s": base})
+        cpu, cal = validate(root)
+        base = cal.base_s
+        _write(root / "profile_tiny_cpu.json", {**cpu.to_dict(), "transfer_base_s": base,
+                                                 "emit_lag_s": cal.emit_lag_s})
         where = f"measured in part 1, {root / 'profile_tiny_cpu.json'}"
         real_planner(root)
     x, y = simulated(cpu, base, where)

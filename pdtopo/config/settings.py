@@ -149,6 +149,7 @@ class LauncherSettings:
     server_module: str = MISSING
     allow_incompatible_roles: bool = MISSING
     drain_timeout_s: float = MISSING
+    migrate_after_s: float | None = MISSING
     prometheus_scrape_interval_s: float = MISSING
     router_watch: bool = MISSING
 
@@ -253,6 +254,7 @@ RULES: dict[str, Rule] = {
     "server.fault_inject_after_steps": _at_least(1),
     "launcher.health_timeout_s": _POSITIVE,
     "launcher.drain_timeout_s": _POSITIVE,
+    "launcher.migrate_after_s": _number(lambda v: v >= 0, "a number >= 0", nullable=True),
     "launcher.prometheus_scrape_interval_s": _POSITIVE,
     "launcher.startsecs": _at_least(0),
     "launcher.startretries": _at_least(0),

@@ -24,6 +24,12 @@ The model:
 Host noise (calibration, off by default): with `jitter`, every P step, KV transfer and D step
 lasts its modelled time times a multiplier drawn (seeded by `jitter_seed`) from `jitter`, e.g.
 measured step times divided by their median (benchmarks/bench_planner.py's validation).
+D's overlap scheduling (off by default: `emit_lag_s` 0): D reads a step's tokens back, and
+emits them, only once it has dispatched the next step, so a decode token leaves D
+`emit_lag_s` after its step ends, except a request's first token (emitted when D admits it)
+and its last (a request's certain last token is not carried into a next step: emitted at
+once). The step times do not change; each request's first gap grows by the lag and its last
+shrinks by it (measured as the mean step less the last gap, benchmarks/bench_planner.py).
 KV pages, preemption, prefix caching, P's held-KV budget and network contention are not
 modelled. Requests not done `tail_s` after the last arrival count as timed out. Statistics
 are pdtopo.bench.stats.summarize over the trace's span (goodput: requests within both SLOs
@@ -62,6 +68,7 @@ class SimParams:
     tail_s: float = 120.0              # simulated past the last arrival
     jitter: tuple[float, ...] = ()     # duration multipliers to draw from (() = none)
     jitter_seed: int = 0
+    emit_lag_s: float = 0.0            # D's overlap read-back: a decode token leaves this late
 
 
 @dataclass
@@ -238,12 +245,13 @@ class _Sim:
         w = inst.window
         w.decode_tokens += len(inst.running)
         w.steps.append((step, len(inst.running)))
-        still = []
+        still, lag = [], self.p.emit_lag_s
         for r in inst.running:
-            r.token_times.append(self.now)
-            if len(r.token_times) >= r.req.output_len:
+            if len(r.token_times) + 1 >= r.req.output_len:  # the last: emitted at once
+                r.token_times.append(max(self.now, r.token_times[-1]))
                 self._finish(inst, r)
             else:
+                r.token_times.append(self.now + lag)
                 still.append(r)
         inst.running = still
         self.d_kick(inst)

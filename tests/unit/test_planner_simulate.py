@@ -4,6 +4,8 @@ beats the static splits of its budget on a trace that shifts phase."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdtopo.bench.settings import Slo
@@ -11,8 +13,8 @@ from pdtopo.planner.budget import Budget, Counts
 from pdtopo.planner.capacity import InstanceProfile
 from pdtopo.planner.compare import compare, static_splits
 from pdtopo.planner.settings import PlannerSettings
-from pdtopo.planner.simulate import SimParams, simulate
-from pdtopo.planner.trace import Phase, phased_trace, trace_span
+from pdtopo.planner.simulate import SimParams, _Sim, simulate
+from pdtopo.planner.trace import Phase, SimRequest, phased_trace, trace_span
 
 # one instance: 2000 prompt tok/s; a decode step of 17 ms alone, 47 ms at its cap of 16
 STEPS = {1: 0.017, 16: 0.047}
@@ -82,3 +84,34 @@ def test_the_planner_beats_every_static_split_on_a_shifting_trace(settings):
     assert all(1 <= c.prefill and 1 <= c.decode and c.prefill + c.decode <= 4
                for _, c in cmp.planned.counts)
     assert cmp.planned.stats["requests"]["failed"] == 0
+
+
+def test_emit_lag_moves_one_lag_from_each_answers_last_gap_to_its_first():
+    """D's overlap read-back (SimParams.emit_lag_s): a decode token leaves D the lag after its
+    step ends, the first (at admission) and the last (not carried on) at once; off (0) by
+    default, which keeps the old timings."""
+    trace = [SimRequest(0, 0.0, 100, 8, ""), SimRequest(1, 5.0, 100, 8, "")]
+    step = PROFILE.step_s(1)
+
+    def gaps(params: SimParams) -> list[list[float]]:
+        sim = _Sim(trace, params, Counts(1, 1), None, None)
+        sim.run()
+        return [[b - a for a, b in zip(r.token_times, r.token_times[1:])]  # noqa: B905
+                for r in sim.reqs]
+
+    assert SimParams(PROFILE).emit_lag_s == 0.0
+    for g in gaps(PARAMS):
+        assert g == pytest.approx([step] * 7)
+    lag = 0.004
+    lagged = gaps(replace(PARAMS, emit_lag_s=lag))
+    for g in lagged:
+        assert g == pytest.approx([step + lag] + [step] * 5 + [step - lag])
+    # the answer ends when it did: TTFT and E2E unchanged, only the gaps between move
+    plain = simulate(trace, PARAMS, Counts(1, 1), slo=SLO, duration_s=10).stats
+    moved = simulate(trace, replace(PARAMS, emit_lag_s=lag), Counts(1, 1), slo=SLO,
+                     duration_s=10).stats
+    assert moved["ttft_ms"] == plain["ttft_ms"] and moved["e2e_ms"] == plain["e2e_ms"]
+    assert moved["itl_ms"]["p99"] == pytest.approx((step + lag) * 1e3, rel=0.05)
+    # a lag longer than the step never puts the last token before the one before it
+    for g in gaps(replace(PARAMS, emit_lag_s=2 * step)):
+        assert min(g) >= 0.0

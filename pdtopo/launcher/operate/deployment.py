@@ -54,6 +54,7 @@ class Deployment:
     token: str
     proxy_url: str | None
     router: RouterAdmin
+    migration: bool = False  # disaggregation.migration: a drained D's requests may move
 
     @classmethod
     def load(cls, run_dir: Path, verb: str = "drain/restart") -> Deployment:
@@ -87,7 +88,9 @@ class Deployment:
         proxies = [p for p in plan.processes if p.role == "proxy"]
         url = router_url(proxies[0]) if proxies else None
         router = RouterAdmin(url, proxy_api_key(run_dir, proxy))
-        return cls(run_dir, plan, proxy, runtime_settings(cfg).launcher, token, url, router)
+        settings = runtime_settings(cfg)
+        return cls(run_dir, plan, proxy, settings.launcher, token, url, router,
+                   bool(settings.disaggregation.migration))
 
     def leaders(self, role: str) -> list[Process]:
         return [p for p in self.plan.processes

@@ -11,7 +11,10 @@ role (`prefill`, `decode`: every instance of it, in order). For each instance:
    router's `/workers` list where it reports health, else the time its health checks need:
    interval x failures + timeout);
 2. wait until its in-flight requests are done (`/pdtopo/state` `in_flight`), at most
-   `launcher.drain_timeout_s`;
+   `launcher.drain_timeout_s`; a D of a deployment with `disaggregation.migration=true` waits
+   `launcher.migrate_after_s`, then moves what still runs to the other serving D instances
+   (`POST /pdtopo/migrate_out`: KV and client connection, runtime/api/migration_routes.py);
+   what cannot move completes where it is;
 3. restart only: stop and start the instance's programs through supervisord, wait for the
    leader's `/health` (at most `launcher.health_timeout_s`), then for the router to choose it
    again (its `/workers` entry healthy, or two health-check intervals).
@@ -94,7 +97,16 @@ class Operator:
                 return False
             return last["in_flight"] == 0
 
-        done, took = wait_until(idle, self.dep.launcher.drain_timeout_s)
+        limit = self.dep.launcher.drain_timeout_s
+        done, took = False, 0.0
+        grace = self.migration_grace(leader)
+        if grace is not None:
+            done, took = wait_until(idle, min(grace, limit))
+            if not done:
+                self.migrate_away(leader)
+        if not done:
+            done, more = wait_until(idle, max(limit - took, 0.0))
+            took += more
         if done:
             self.say(f"{leader.name}: drained: nothing in flight after {took:.1f} s")
             return 0
@@ -102,6 +114,38 @@ class Operator:
         self.say(f"{leader.name}: {left} requests still in flight after "
                  f"launcher.drain_timeout_s={self.dep.launcher.drain_timeout_s:g} s")
         return left
+
+    def migration_grace(self, leader: Process) -> float | None:
+        """How long the drained instance's requests may end by themselves before the rest
+        move to the other D instances (None: they do not move)."""
+        after = self.dep.launcher.migrate_after_s
+        if leader.role != "decode" or not self.dep.migration or after is None:
+            return None
+        if len(self.dep.instance(leader)) > 1:
+            self.say(f"{leader.name}: a multi-process instance: its requests do not move "
+                     "(migration is single-process this release); waiting for them")
+            return None
+        return float(after)
+
+    def migrate_away(self, leader: Process) -> None:
+        """`POST /pdtopo/migrate_out` with every other serving D as a target; what stays
+        (no room anywhere, a refusal) completes on the instance as before."""
+        others = [p for p in self.dep.leaders("decode")
+                  if p.instance_id != leader.instance_id and self._serving(p)]
+        if not others:
+            self.say(f"{leader.name}: no other decode instance serves: its requests stay")
+            return
+        try:
+            answer = admin_request(f"{leader.url}/pdtopo/migrate_out", token=self.dep.token,
+                                   body={"targets": [{"url": p.url} for p in others]},
+                                   timeout=120.0)
+        except OperationError as exc:
+            self.say(f"{leader.name}: moving its requests failed ({exc}); waiting for them")
+            return
+        kept = [r for r in answer.get("requests", []) if not r.get("moved")]
+        self.say(f"{leader.name}: moved {answer.get('moved', 0)} running requests to "
+                 f"{', '.join(p.name for p in others)} in {answer.get('seconds', 0):.1f} s"
+                 + (f"; {len(kept)} stay ({kept[0].get('reasons')})" if kept else ""))
 
     def restart(self, leader: Process) -> None:
         procs = self.dep.instance(leader)

@@ -57,7 +57,7 @@ def in_flight(state: ServerState) -> int:
     return state.http_in_flight + held
 
 
-def _token_problem(state: ServerState, authorization: str | None) -> JSONResponse | None:
+def token_problem(state: ServerState, authorization: str | None) -> JSONResponse | None:
     token = state.ctx.token
     if not token:
         return error_response(403, "this server has no deployment token (it was not started by "
@@ -72,7 +72,7 @@ def _token_problem(state: ServerState, authorization: str | None) -> JSONRespons
 @router.post("/pdtopo/drain")
 async def drain(state: ServerDep, body: dict[str, Any] | None = None,
                 authorization: str | None = Header(None)) -> JSONResponse:
-    problem = _token_problem(state, authorization)
+    problem = token_problem(state, authorization)
     if problem is not None:
         return problem
     value = (body or {}).get("drain", True)

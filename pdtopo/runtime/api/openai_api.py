@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 
 from pdtopo.runtime.api.fanout import submit_completions
 from pdtopo.runtime.api.logprob_format import chat_logprobs, completion_logprobs
+from pdtopo.runtime.api.movable import note_envelope
 from pdtopo.runtime.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,6 +32,7 @@ from pdtopo.runtime.api.protocol import (
     check_top_logprobs,
     parse_body,
 )
+from pdtopo.runtime.api.resume_context import RESUMING
 from pdtopo.runtime.api.routing import (
     ServerDep,
     event_stream,
@@ -129,7 +131,15 @@ class _Envelope:
 
 
 def _envelope(state: ServerState, body: _OpenAICommon, rid: str) -> _Envelope:
-    return _Envelope(rid, body.model or state.served_model_name, int(time.time()))
+    """A moved response (resume_context.py) keeps the id and created time the client has."""
+    ticket = RESUMING.get()
+    given = ticket.envelope() if ticket is not None else None
+    if given:
+        return _Envelope(str(given["id"]), body.model or state.served_model_name,
+                         int(given["created"]))
+    env = _Envelope(rid, body.model or state.served_model_name, int(time.time()))
+    note_envelope(env.id, env.created)
+    return env
 
 
 # ---------------------------------------------------------------- /v1/completions

@@ -23,6 +23,8 @@ from typing import Any
 from pdtopo.config.settings import EngineSettings
 from pdtopo.model_config.architectures import ARCH_TRAITS
 from pdtopo.runtime.api.load_progress import LoadProgress
+from pdtopo.runtime.api.movable import note_handle
+from pdtopo.runtime.api.resume_context import RESUMING
 from pdtopo.runtime.engine.metrics import EngineMetrics
 from pdtopo.runtime.engine.request import (
     AsyncSink,
@@ -61,6 +63,9 @@ class Handle:
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # if asked for
     final: ReqOutput | None = None
     started: float = field(default_factory=time.perf_counter)
+    detached: bool = False             # moved with its connection to another D: never abort
+    last_out: ReqOutput | None = None  # the output the response's events are built from now
+    abort_by_rid: bool = False         # a resumed request: the scheduler holds another Req
 
     @property
     def rid(self) -> str:
@@ -78,9 +83,9 @@ class Handle:
         return out
 
     def abort(self) -> None:
-        if self.final is None and self.state.scheduler is not None:
+        if self.final is None and not self.detached and self.state.scheduler is not None:
             # this request only: a refused duplicate must not abort the live one with its rid
-            self.state.scheduler.abort(self.rid, self.req)
+            self.state.scheduler.abort(self.rid, None if self.abort_by_rid else self.req)
 
 
 class ServerState:
@@ -98,6 +103,10 @@ class ServerState:
         # inference requests (/generate, /v1/...) whose response has not been fully sent
         self.draining = False
         self.http_in_flight = 0
+        # a migrating D (movable.py, resume.py): responses that may move, keyed by request id,
+        # and the ones this server will answer for another D once their connection arrives
+        self.movable: dict[str, Any] = {}
+        self.resuming: dict[str, Any] = {}
         self.load_error: str | None = None
         self.created = int(time.time())
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
@@ -201,7 +210,12 @@ class ServerState:
                   sink=sink, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port,
                   bootstrap_room=bootstrap_room, num_followers=followers,
                   leader=leader.req if leader is not None else None)
+        ticket = RESUMING.get()
+        if ticket is not None:  # answering a moved request: it runs here already
+            return ticket.handle(self)
         if health_check:
             req.extra["health_check"] = True
         sched.submit(req)
-        return Handle(req=req, sink=sink, state=self)
+        h = Handle(req=req, sink=sink, state=self)
+        note_handle(self, h)
+        return h

@@ -8,7 +8,8 @@ the matched stop token / stop string (sglang's default, unless `no_stop_trim`).
 checking for a disconnected client every DISCONNECT_CHECK_S seconds and aborting on it (pages are freed by the
 scheduler). `merged_outputs(handles)` yields `(index, output)` from several handles as they
 come, and aborts whatever is unfinished if the consumer goes away (client disconnect cancels the
-streaming task). `sse(obj)` frames one Server-Sent Event; `SSE_DONE` ends a stream.
+streaming task). Both hand the response to another D when they meet a `HandoffMarker`
+(movable.py). `sse(obj)` frames one Server-Sent Event; `SSE_DONE` ends a stream.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pdtopo.runtime.api.movable import HandoffMarker
 from pdtopo.runtime.api.state import Handle
 from pdtopo.runtime.engine.request import ReqOutput
 
@@ -112,9 +114,13 @@ async def collect(handles: Sequence[Handle], request: Request | None) -> None:
         for h in handles:
             while h.final is None:
                 try:
-                    await h.next(timeout=DISCONNECT_CHECK_S)
+                    out = await h.next(timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
                     pass
+                else:
+                    if isinstance(out, HandoffMarker):  # nothing was written yet
+                        await out.perform(streamed=False)
+                        raise ClientDisconnected()      # the target answers it now
                 # Check on a clock, not only when outputs pause: a request that keeps
                 # generating must still notice that its client went away.
                 if request is not None and loop.time() >= next_check:
@@ -133,15 +139,22 @@ async def merged_outputs(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, 
 
     async def pump(i: int, h: Handle) -> None:
         while h.final is None:
-            queue.put_nowait((i, await h.next()))
+            out = await h.next()
+            queue.put_nowait((i, out))
+            if isinstance(out, HandoffMarker):
+                return
 
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     remaining = len(handles)
     try:
         while remaining:
             i, out = await queue.get()
+            if isinstance(out, HandoffMarker):  # every earlier event is written by now
+                await out.perform(streamed=True)
+                await asyncio.Event().wait()    # until the closed connection cancels us
             if out.finished:
                 remaining -= 1
+            handles[i].last_out = out
             yield i, out
     finally:
         for t in tasks:

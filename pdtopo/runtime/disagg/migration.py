@@ -134,11 +134,20 @@ class MigrationMixin:
         """An offer from another D (the `offer_to` of an in-process migration)."""
         self.inbox.put(("migrate_in", (offer, sink)))
 
+    def cancel_migration(self, rid: str, why: str) -> None:
+        """The offer of moving `rid` did not reach a D that takes it (an HTTP call failed):
+        it stays here."""
+        self.inbox.put(("migrate_cancel", (rid, why)))
+
     def dispatch(self, msg: tuple[Any, Any]) -> None:
         if msg[0] == "migrate_out":
             self._migrate_out(*msg[1])
         elif msg[0] == "migrate_in":
             self._migrate_in(*msg[1])
+        elif msg[0] == "migrate_cancel":
+            o = self._outgoing.get(msg[1][0])
+            if o is not None and not o.sender.poll().terminal:
+                o.sender.abort(msg[1][1], status=503)  # -> Failed: kept at the next poll
         else:
             super().dispatch(msg)
 
@@ -205,12 +214,16 @@ class MigrationMixin:
 
     def _moved(self, o: Outgoing) -> None:
         req = o.req
+        kv_bytes = len(req.page_ids) * self.runner.page_bytes_per_device() * self.runner.tp
         self.sampler.release(req.serial)
         self.release_kv(req, keep=False)
         req.status = ReqStatus.FINISHED
         if self.reqs.get(req.rid) is req:
             del self.reqs[req.rid]
         self.num_migrated_out += 1
+        self.metrics.migrations.labels("out", "moved").inc()
+        self.metrics.migration_seconds.observe(time.monotonic() - o.started)
+        self.metrics.migration_bytes.inc(kv_bytes)
         for gone in [k for k, v in self._moved_to.items() if v[1].closed]:
             del self._moved_to[gone]  # ended at the target
         if o.abort_at is not None and isinstance(req.sink, RelaySink):
@@ -234,6 +247,7 @@ class MigrationMixin:
     def _keep(self, o: Outgoing, why: str) -> None:
         req = o.req
         self.num_migrations_kept += 1
+        self.metrics.migrations.labels("out", "kept").inc()
         log.info("%s stays here: %s", req.rid, why)
         if not req.finished:
             req.status = ReqStatus.RUNNING
@@ -268,6 +282,7 @@ class MigrationMixin:
                        f"{self.allocator.num_free} free)")
         if why is not None:
             self.num_migrations_refused += 1
+            self.metrics.migrations.labels("in", "refused").inc()
             try:
                 self.kv_manager.refuse_room(offer.room, offer.source,
                                             f"the target D cannot take the request: {why}", 503)
@@ -307,6 +322,7 @@ class MigrationMixin:
             return
         req.num_computed = computed
         self.num_migrated_in += 1
+        self.metrics.migrations.labels("in", "moved").inc()
         self.add_to_running(req)
 
     def migration_state(self) -> dict[str, Any]:

@@ -83,6 +83,16 @@ class EngineMetrics:
                                    registry=reg)
         self.requests = Counter("pdtopo:requests", "Finished requests by outcome",
                                 labelnames=["role", "finish"], registry=reg)
+        self.migrations = Counter(
+            "pdtopo:migrations", "Running requests moved between D instances: direction "
+            "out|in, result moved|kept|refused", ["direction", "result"], registry=reg)
+        self.migration_bytes = Counter("pdtopo:migration_bytes",
+                                       "KV bytes of the requests moved away from this D",
+                                       registry=reg)
+        self.migration_seconds = Histogram(
+            "pdtopo:migration_seconds", "A move, from the export at a step boundary to the "
+            "target's done", buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=reg)
         self.attention_info = Gauge(
             "pdtopo:attention_info",
             "The attention path serving (1): impl, the engine.attention_impl asked for, and why "
