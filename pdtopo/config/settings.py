@@ -112,7 +112,7 @@ class DisaggregationSettings:
     side_channel_max_peers: int = MISSING
     side_channel_peer_idle_s: float = MISSING
     resolve_threads: int = MISSING
-    migration: bool = MISSING
+    migration: bool | str = MISSING   # false | true | replay
 
 
 @dataclass(frozen=True)
@@ -238,6 +238,8 @@ RULES: dict[str, Rule] = {
     "disaggregation.side_channel_max_peers": _at_least(1),
     "disaggregation.side_channel_peer_idle_s": _POSITIVE,
     "disaggregation.resolve_threads": _at_least(1),
+    "disaggregation.migration": ((lambda v: isinstance(v, bool) or v == "replay"),
+                                 "true, false or replay"),
     "disaggregation.transfer_raw_buffers": ((lambda v: v == "auto" or isinstance(v, bool)),
                                             "auto, true or false"),
     "local.transfer_backlog": _at_least(1),

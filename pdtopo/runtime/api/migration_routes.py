@@ -9,7 +9,10 @@
         next one; none: the request stays and completes here. Answers what moved where.
     POST /pdtopo/migrate_in   {"offer": MigrationOffer, "response": {...}}    (on the target)
         validates the offer (a 400 names what is wrong), keeps a ResumeTicket for the
-        connection to come (resume.py) and passes the offer to the scheduler: 202.
+        connection to come (resume.py) and passes the offer to the scheduler: 202 with
+        "mode": "kv" (the KV is pulled from the source) or "replay" (recomputed here: the
+        source's page size or KV dtype differs, or `disaggregation.migration=replay`; the
+        source then drops the request without a pull).
 
 Both need the deployment token (`Authorization: Bearer`), like /pdtopo/drain.
 """
@@ -123,13 +126,36 @@ async def _post_offer(state: ServerState, target: dict[str, Any], offer: Migrati
     try:
         async with httpx.AsyncClient(timeout=OFFER_TIMEOUT_S) as client:
             r = await client.post(f"{target['url']}/pdtopo/migrate_in",
-                                  json={"offer": offer.to_dict(), "response": rec.describe()},
+                                  json={"offer": offer.to_dict(), "response": rec.describe(),
+                                        "layout": kv_layout(state)},
                                   headers={"Authorization": f"Bearer {state.ctx.token}"})
         if r.status_code != 202:
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+        mode = r.json().get("mode")
     except Exception as exc:  # the request stays here
         state.scheduler.cancel_migration(offer.rid, f"{target['url']} did not take the "
                                          f"offer: {exc}")
+        return
+    if mode == "replay":  # recomputed there: nothing to pull from here
+        state.scheduler.migration_replayed(offer.rid)
+
+
+def kv_layout(state: ServerState) -> dict[str, Any]:
+    """What decides whether a request's KV can move between two Ds as it is."""
+    return {"page_size": int(state.runner.page_size), "kv_dtype": str(state.runner.kv_dtype),
+            "replay": state.ctx.settings.disaggregation.migration == "replay"}
+
+
+def replay_reason(state: ServerState, source: Any) -> str | None:
+    """Why a moved request is recomputed here rather than pulled (None: its KV comes)."""
+    if not isinstance(source, dict):
+        return "the source sent no KV layout"
+    mine = kv_layout(state)
+    if source.get("replay") or mine["replay"]:
+        return "disaggregation.migration=replay"
+    diff = [f"{k}: source {source.get(k)!r}, here {mine[k]!r}" for k in ("page_size", "kv_dtype")
+            if source.get(k) != mine[k]]
+    return "; ".join(diff) or None
 
 
 @router.post("/pdtopo/migrate_in")
@@ -165,5 +191,11 @@ async def migrate_in(request: Request, state: ServerDep,
     state.resuming[offer.rid] = ticket
     ttl = state.ctx.settings.disaggregation.kv_timeout_s + TICKET_SLACK_S
     asyncio.get_running_loop().call_later(ttl, expire, state, offer.rid, ticket)
-    state.scheduler.accept_migration(offer, sink)
-    return JSONResponse({"accepted": offer.rid}, status_code=202)
+    replay = replay_reason(state, d.get("layout"))
+    if replay is None:
+        state.scheduler.accept_migration(offer, sink)
+    else:
+        log.info("%s: recomputed here (%s)", offer.rid, replay)
+        state.scheduler.accept_replay(offer, sink)
+    return JSONResponse({"accepted": offer.rid, "mode": "kv" if replay is None else "replay",
+                         **({"why": replay} if replay else {})}, status_code=202)

@@ -26,16 +26,13 @@ import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdtopo.runtime.api.handoff import HandoffError, send_connection
 from pdtopo.runtime.api.http_probe import connection_for
 from pdtopo.runtime.engine.request import ReqOutput
 
 log = logging.getLogger("pdtopo.movable")
-
-if TYPE_CHECKING:
-    from pdtopo.runtime.api.state import Handle, ServerState
 
 # the response being answered on this task (set by MovableMiddleware)
 CURRENT: contextvars.ContextVar[MovableResponse | None] = contextvars.ContextVar(
@@ -50,11 +47,11 @@ SCOPE_KEYS = ("type", "http_version", "method", "scheme", "path", "raw_path", "q
 class MovableResponse:
     scope: dict[str, Any]
     body: bytearray = field(default_factory=bytearray)
-    handles: list[Handle] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)   # the route's Handles
     envelope: dict[str, Any] | None = None   # an OpenAI response's {"id", "created"}
     started: float = field(default_factory=time.monotonic)
 
-    def single(self) -> Handle | None:
+    def single(self) -> Any:
         """The one request of this response (None: several, e.g. n > 1, or none yet)."""
         return self.handles[0] if len(self.handles) == 1 else None
 
@@ -77,7 +74,7 @@ class MovableResponse:
         }
 
 
-def note_handle(state: ServerState, h: Handle) -> None:
+def note_handle(state: Any, h: Any) -> None:
     """ServerState.submit: `h` belongs to the response being answered (if it may move)."""
     rec = CURRENT.get()
     if rec is not None:
@@ -94,7 +91,7 @@ def note_envelope(rid: str, created: int) -> None:
 class MovableMiddleware:
     """ASGI middleware of a migrating D (see the module docstring)."""
 
-    def __init__(self, app: Any, state: ServerState) -> None:
+    def __init__(self, app: Any, state: Any) -> None:
         self.app = app
         self.state = state
 

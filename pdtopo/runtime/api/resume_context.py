@@ -14,12 +14,9 @@ from __future__ import annotations
 import contextvars
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdtopo.runtime.engine.request import AsyncSink, Req, ReqOutput
-
-if TYPE_CHECKING:
-    from pdtopo.runtime.api.state import Handle, ServerState
 
 RESUMING: contextvars.ContextVar[ResumeTicket | None] = contextvars.ContextVar(
     "pdtopo_resuming", default=None)
@@ -33,19 +30,11 @@ class ResumeTicket:
     response: dict[str, Any]          # MovableResponse.describe() of the source
     made: float = field(default_factory=time.monotonic)
     adopted: bool = False
-    _handle: Handle | None = None
-
-    def handle(self, state: ServerState) -> Handle:
-        from pdtopo.runtime.api.state import Handle
-
-        if self._handle is None:
-            self._handle = Handle(req=self.req, sink=self.sink, state=state, abort_by_rid=True)
-            self._handle.started -= float(self.response.get("elapsed_s", 0.0))
-        return self._handle
+    handle: Any = None                # the route's Handle (ServerState.submit makes it)
 
     def replaying(self) -> bool:
         """True while the response's events are built from what the client already has."""
-        h = self._handle
+        h = self.handle
         return h is None or h.last_out is None or h.last_out is self.prefix
 
     def envelope(self) -> dict[str, Any] | None:

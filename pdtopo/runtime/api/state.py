@@ -212,7 +212,11 @@ class ServerState:
                   leader=leader.req if leader is not None else None)
         ticket = RESUMING.get()
         if ticket is not None:  # answering a moved request: it runs here already
-            return ticket.handle(self)
+            if ticket.handle is None:
+                ticket.handle = Handle(req=ticket.req, sink=ticket.sink, state=self,
+                                       abort_by_rid=True)
+                ticket.handle.started -= float(ticket.response.get("elapsed_s", 0.0))
+            return ticket.handle
         if health_check:
             req.extra["health_check"] = True
         sched.submit(req)

@@ -28,6 +28,11 @@ decoding it; D1 frees the pages once D2 says `done`. On the scheduler threads, n
                                    the sender failed (D2 refused, a pull error, expiry): the
                                    request rejoins D1's decode batch and completes there
 
+Replay (the KV cannot come: another page size or KV dtype, or `migration=replay`): D1 offers
+as usual; D2 takes the request into its waiting queue like a preempted one (`_replay_in`:
+prompt and outputs prefilled again, the next token drawn at index len(output_ids)), and D1,
+told so (`migration_replayed`), drops it as moved without any pull.
+
 Emission: every output of the request, on D1 before the move and on D2 after, goes through one
 `RelaySink` around the client's original sink: D2 starts with `num_emitted = len(output_ids)`
 (no token twice), D1 emits nothing from the export on (no token lost in between: the landing
@@ -134,6 +139,15 @@ class MigrationMixin:
         """An offer from another D (the `offer_to` of an in-process migration)."""
         self.inbox.put(("migrate_in", (offer, sink)))
 
+    def accept_replay(self, offer: MigrationOffer, sink: OutputSink) -> None:
+        """An offer to continue by recomputing its KV here (a source whose KV cannot come:
+        another page size or KV dtype, or `disaggregation.migration=replay`)."""
+        self.inbox.put(("migrate_replay", (offer, sink)))
+
+    def migration_replayed(self, rid: str) -> None:
+        """The target took `rid` to recompute: nothing is pulled, it is gone from here."""
+        self.inbox.put(("migrate_replayed", rid))
+
     def cancel_migration(self, rid: str, why: str) -> None:
         """The offer of moving `rid` did not reach a D that takes it (an HTTP call failed):
         it stays here."""
@@ -144,6 +158,13 @@ class MigrationMixin:
             self._migrate_out(*msg[1])
         elif msg[0] == "migrate_in":
             self._migrate_in(*msg[1])
+        elif msg[0] == "migrate_replay":
+            self._replay_in(*msg[1])
+        elif msg[0] == "migrate_replayed":
+            o = self._outgoing.pop(msg[1], None)
+            if o is not None:
+                o.sender.abort("the target recomputes the request's KV", status=410)
+                self._moved(o)
         elif msg[0] == "migrate_cancel":
             o = self._outgoing.get(msg[1][0])
             if o is not None and not o.sender.poll().terminal:
@@ -310,6 +331,31 @@ class MigrationMixin:
         receiver.init(req.page_ids)
         self.register_request(req)
         self.queue_transfer(req, receiver, offer.source)  # the decode mixin's transfer queue
+
+    def _replay_in(self, offer: MigrationOffer, sink: OutputSink) -> None:
+        """Continue a moved request by recomputing it: like a preempted request, it waits
+        for pages and a row, its prompt and every output token are prefilled (one step or
+        chunked), and the next token is drawn at index len(output_ids), as on the source."""
+        sampling = SamplingParams(**offer.sampling)
+        if offer.rid in self.reqs:
+            self.num_migrations_refused += 1
+            self.metrics.migrations.labels("in", "refused").inc()
+            sink.emit(ReqOutput(offer.rid, [], len(offer.output_ids), len(offer.prompt_ids),
+                                finished=True, finish_reason=FinishReason.abort(
+                                    f"a request with rid {offer.rid!r} is live on the target "
+                                    "D", 409)))
+            return
+        req = Req(rid=offer.rid, prompt_ids=list(offer.prompt_ids), sampling=sampling,
+                  sink=sink, output_ids=list(offer.output_ids))
+        if sampling.logprobs >= 0:
+            req.output_logprobs = list(offer.output_logprobs or [None] * len(offer.output_ids))
+        req.num_emitted = len(req.output_ids)
+        req.cached_tokens = offer.cached_tokens
+        req.first_token_time = req.last_token_time = time.monotonic()
+        self.register_request(req)
+        self.waiting.append(req)
+        self.num_migrated_in += 1
+        self.metrics.migrations.labels("in", "replayed").inc()
 
     def _start_migrated(self, req: Req, ready_info: Any) -> None:
         """The KV of a migrated request is in the pool: into the decode batch."""
