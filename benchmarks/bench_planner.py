@@ -8,8 +8,8 @@ One command: `python benchmarks/bench_planner.py [--skip-real] [--profile PROFIL
    per-instance capacity is measured first, in the planner's profile format (a P's prompt
    tokens/s and the fixed cost per request from lone prompts of 32 and 512 tokens, a D's step
    time at batch 1, 4, 16 from 96-token answers; written to OUT/profile_tiny_cpu.json), then
-   an open-loop calibration (LONE: lone requests at fixed times, the D idle in between as
-   under the load): the fixed cost per request (its TTFT less the prefill), the host's noise
+   an open-loop calibration (LONE: Poisson arrivals, other prompts, lengths and seed than the
+   load's; the D mostly idle between requests, as under the load): the fixed cost per request (its TTFT less the prefill), the host's noise
    (every inter-token gap but an answer's first and last over the batch-1 step) and D's emit
    lag (overlap scheduling emits a step's tokens once the next step is dispatched, an
    answer's last token at once: the mean gap less the last gap; SimParams.emit_lag_s). Then
@@ -69,8 +69,9 @@ from pdtopo.ports import free_port_block
 MODEL = ["model=tiny_llama", "model.num_layers=2"]
 CHUNK_TOKENS = 1024        # engine.max_prefill_tokens (conf/config.yaml)
 MAX_BATCH = 32             # engine.max_running_requests
-# part 1's open-loop calibration: (requests, prompt tokens, answer tokens, req/s at fixed times)
-LONE = (31, 48, 48, 4.0)
+# part 1's open-loop calibration: (requests, prompt tokens, answer tokens, Poisson req/s, seed);
+# other lengths, prompts and seed than the validation's load
+LONE = (40, 48, 48, 3.0, 1)
 # measured by this file's last full run (part 1) on this machine: used with --skip-real
 LAST_MEASURED = {"prefill_tps": 25146.26350989208,
                  "decode_tps": [[1, 617.7785475599311], [4, 1574.5192402261225],
@@ -118,13 +119,12 @@ class Calibration:
 
 def measure_profile(url: str) -> tuple[InstanceProfile, Calibration]:
     """The 1P1D's per-instance profile, from closed-loop runs (one request or one batch after
-    the other), and what the same D does under open-loop arrivals (`LONE` requests at fixed
-    times, the D idle in between, as it mostly is under the validation's load): their TTFT
-    less the prompt's prefill gives the fixed cost per request, every inter-token gap (as the
-    ITL statistics split them) but the first and the last over the profile's batch-1 step
-    gives the host noise, and the mean gap less the last gap gives D's emit lag (overlap
-    scheduling: a step's tokens leave once the next step is dispatched, a request's last token
-    at once)."""
+    the other), and what the same deployment does under open-loop arrivals (`LONE`: Poisson,
+    the D mostly idle between requests, as under the validation's load): their TTFT less the
+    prompt's prefill gives the fixed cost per request (the median), every inter-token gap (as the ITL statistics split them) but the first and the last over
+    the profile's batch-1 step gives the host noise, and the mean gap less the last gap gives
+    D's emit lag (overlap scheduling: a step's tokens leave once the next step is dispatched,
+    a request's last token at once)."""
     ttft = {}
     for n_in in (32, 512):
         results, _ = run_load(url, _requests(6, n_in, 2, n_in), _settings(max_concurrency=1))
@@ -142,9 +142,10 @@ def measure_profile(url: str) -> tuple[InstanceProfile, Calibration]:
         points.append((b, b / statistics.median(steps)))
     profile = InstanceProfile(prefill_tps=1 / slope, decode_tps=tuple(points), max_batch=16,
                               chips=1, source="measured: 1P1D tiny_llama 2 layers, this run")
-    n_req, n_in, n_out, rate = LONE
-    results, _ = run_load(url, _requests(n_req, n_in, n_out, 200),
-                          _settings(request_rate=rate, arrival="fixed"))
+    n_req, n_in, n_out, rate, seed = LONE
+    settings = _settings(request_rate=rate, seed=seed)
+    results, _ = run_load(url, _requests(n_req, n_in, n_out, 200), settings,
+                          offsets=arrival_offsets(n_req, settings))
     done = [r for r in results[1:] if r.ok and len(r.token_times) == n_out]
     base = max(statistics.median(r.token_times[0] - r.start for r in done) - n_in * slope, 0.0)
     step = profile.step_s(1)
@@ -171,9 +172,9 @@ def validate(root: Path) -> tuple[InstanceProfile, Calibration]:
              f"{base * 1e3:.1f} ms per request (router, transfer, D admission); decode step "
              + ", ".join(f"{b / t * 1e3:.2f} ms at batch {b}" for b, t in profile.decode_tps))
         js = sorted(cal.jitter)
-        line(f"open-loop calibration ({LONE[0]} lone requests at {LONE[3]:g} req/s, fixed times, "
-             f"{LONE[1]}-token prompts, {LONE[2]}-token answers): host noise, {len(js)} "
-             f"inter-token gaps / the batch-1 step: p50 {js[len(js) // 2]:.2f}, p90 "
+        line(f"open-loop calibration ({LONE[0]} requests, Poisson {LONE[3]:g} req/s, seed "
+             f"{LONE[4]}, {LONE[1]}-token prompts, {LONE[2]}-token answers): host noise, "
+             f"{len(js)} inter-token gaps / the batch-1 step: p50 {js[len(js) // 2]:.2f}, p90 "
              f"{js[int(len(js) * .9)]:.2f}, p99 {js[int(len(js) * .99)]:.2f}, max {js[-1]:.2f}; "
              f"D's emit lag (overlap read-back: mean gap less the last gap) "
              f"{cal.emit_lag_s * 1e3:.2f} ms")
@@ -190,12 +191,14 @@ def validate(root: Path) -> tuple[InstanceProfile, Calibration]:
     params = SimParams(profile, chunk_tokens=CHUNK_TOKENS, step_overhead_s=0.0,
                        transfer_base_s=base, tail_s=60, emit_lag_s=cal.emit_lag_s)
     plain = simulate(trace, params, Counts(1, 1), slo=slo, duration_s=offsets[-1]).stats
-    sim = simulate(trace, replace(params, jitter=cal.jitter), Counts(1, 1), slo=slo,
+    sim = simulate(trace, replace(params, jitter=cal.jitter, jitter_unit_s=profile.step_s(1)),
+                   Counts(1, 1), slo=slo,
                    duration_s=offsets[-1]).stats
     line(f"load: {n} requests, Poisson {rate} req/s, 64-token prompts, 32-token answers "
          f"({dur:.0f} s); failed: {real['requests']['failed']}")
     line("sim: the same arrivals and lengths on the measured profile and D's emit lag, with "
-         "the host noise (steps and transfers x a multiplier drawn from it) and without")
+         "the host noise (steps and transfers x the mean of one multiplier drawn from it per "
+         "batch-1 step of their length) and without")
     line(f"{'':10}{'real ms':>10}{'sim ms':>10}{'diff':>8}{'no-noise':>10}{'diff':>8}")
     worst = 0.0
     for kind in ("ttft", "itl"):

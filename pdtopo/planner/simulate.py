@@ -23,7 +23,9 @@ The model:
   least left to do, then starts up in the new role. One change at a time, as the planner says.
 Host noise (calibration, off by default): with `jitter`, every P step, KV transfer and D step
 lasts its modelled time times a multiplier drawn (seeded by `jitter_seed`) from `jitter`, e.g.
-measured step times divided by their median (benchmarks/bench_planner.py's validation).
+measured step times divided by their median (benchmarks/bench_planner.py's validation); with
+`jitter_unit_s` (the span the multipliers were measured on, e.g. one decode gap) a duration
+of n such units takes the mean of n draws, as independent stalls average out over it.
 D's overlap scheduling (off by default: `emit_lag_s` 0): D reads a step's tokens back, and
 emits them, only once it has dispatched the next step, so a decode token leaves D
 `emit_lag_s` after its step ends, except a request's first token (emitted when D admits it)
@@ -68,6 +70,7 @@ class SimParams:
     tail_s: float = 120.0              # simulated past the last arrival
     jitter: tuple[float, ...] = ()     # duration multipliers to draw from (() = none)
     jitter_seed: int = 0
+    jitter_unit_s: float = 0.0         # the span a multiplier was measured on (0: one per duration)
     emit_lag_s: float = 0.0            # D's overlap read-back: a decode token leaves this late
 
 
@@ -153,8 +156,13 @@ class _Sim:
         self.rng = random.Random(params.jitter_seed)
 
     # -- plumbing
-    def noise(self) -> float:
-        return self.rng.choice(self.p.jitter) if self.p.jitter else 1.0
+    def noise(self, duration: float = 0.0) -> float:
+        """A multiplier for `duration`: one draw, or with `jitter_unit_s` the mean of one draw
+        per unit of it (independent stalls average out over a longer span of host work)."""
+        if not self.p.jitter:
+            return 1.0
+        n = max(1, round(duration / self.p.jitter_unit_s)) if self.p.jitter_unit_s > 0 else 1
+        return sum(self.rng.choice(self.p.jitter) for _ in range(n)) / n
 
     def at(self, t: float, fn: Callable, *args) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn, args))
@@ -200,7 +208,8 @@ class _Sim:
         finished_now = [inst.queue.popleft() for _ in range(done)]
         inst.running = finished_now
         inst.busy = True
-        step = (tokens / self.p.profile.prefill_tps + self.p.step_overhead_s) * self.noise()
+        step = tokens / self.p.profile.prefill_tps + self.p.step_overhead_s
+        step *= self.noise(step)
         self.at(self.now + step, self.p_step_end, inst, tokens, finished_now)
 
     def p_step_end(self, inst: _Instance, tokens: int, done: list[_Req]) -> None:
@@ -212,7 +221,8 @@ class _Sim:
             w.finished += 1
             w.ttft.append(self.now - r.req.arrival)
             latency = (self.p.transfer_base_s +
-                       self.p.profile.transfer_s_per_token * r.req.input_len) * self.noise()
+                       self.p.profile.transfer_s_per_token * r.req.input_len)
+            latency *= self.noise(latency)
             assert r.d is not None
             self.at(self.now + latency, self.d_receive, r.d, r)
             self._release(inst)
@@ -236,7 +246,8 @@ class _Sim:
         if not inst.running:
             return
         batch = len(inst.running)
-        step = self.p.profile.step_s(batch) * self.noise()
+        step = self.p.profile.step_s(batch)
+        step *= self.noise(step)
         inst.busy = True
         self.at(self.now + step, self.d_step_end, inst, step)
 

@@ -4,8 +4,9 @@ programs' /metrics (the targets of RUN/prometheus.yml).
     sample(targets) -> Sample          one scrape of every program (parsed Prometheus text)
     rows(plan, states, older, newer)   per program: role, state, req/s, running/queued, pages
                                        used, host-tier pages used (engine.host_kv_pages) and
-                                       loaded back per second, KV transfer GB/s, TTFT p50/p99
-                                       over the window
+                                       loaded back per second, KV transfer GB/s, running
+                                       requests moved away/in since start (a D with
+                                       disaggregation.migration), TTFT p50/p99 over the window
     run(run_dir, interval_s, once)     draws the table every interval (rich Live) or, with
                                        --once, takes two samples interval apart, prints one
                                        table and exits; plan.json is read again every
@@ -41,6 +42,7 @@ from pdtopo.planner.observe import quantile  # one window arithmetic for top and
 
 REQUESTS = {"pdtopo-servers": "pdtopo:requests_total", ROUTER_JOB: "smg_http_requests_total"}
 TTFT = "sglang:time_to_first_token_seconds"
+MIGRATIONS = "pdtopo:migrations_total"
 
 
 @dataclass
@@ -51,9 +53,12 @@ class Scrape:
     values: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
     error: str | None = None
 
-    def total(self, name: str) -> float | None:
+    def total(self, name: str, **match: str) -> float | None:
+        """The sum of `name`'s samples (those whose labels include `match`)."""
         found = self.values.get(name)
-        return None if found is None else sum(v for _labels, v in found)
+        if found is None:
+            return None
+        return sum(v for labels, v in found if all(labels.get(k) == x for k, x in match.items()))
 
     def buckets(self, name: str) -> dict[float, float]:
         out: dict[float, float] = {}
@@ -98,6 +103,7 @@ class Row:
     transfer_gbps: float | None = None
     ttft_p50: float | None = None
     ttft_p99: float | None = None
+    moved: str = "-"                   # running requests moved away / in (migration)
     error: str | None = None
 
 
@@ -131,6 +137,11 @@ def rows(plan: Plan, states: dict[str, str], older: dict[str, Scrape],
             row.host_hits_s = _rate("pdtopo:host_kv_hit_pages_total", a, b)
         moved = _rate("pdtopo:kv_transfer_bytes_total", a, b)
         row.transfer_gbps = None if moved is None else moved / 1e9
+        if b.total(MIGRATIONS) is not None:
+            out_n = b.total(MIGRATIONS, direction="out", result="moved") or 0
+            in_n = sum(b.total(MIGRATIONS, direction="in", result=r) or 0
+                       for r in ("moved", "replayed"))
+            row.moved = f"{out_n:.0f}/{in_n:.0f}"
         older_b, newer_b = a.buckets(TTFT), b.buckets(TTFT)
         row.ttft_p50 = quantile(0.5, older_b, newer_b)
         row.ttft_p99 = quantile(0.99, older_b, newer_b)
@@ -151,16 +162,16 @@ def table(plan: Plan, data: list[Row], window_s: float, planner: str | None = No
     t = Table(title=f"pdtopo top: {plan.topology} (last {window_s:.1f} s; TTFT in ms)",
               caption=planner, caption_justify="left")
     for col in ("program", "role", "state", "req/s", "run", "queue", "pages", "host pages",
-                "host hits/s", "KV GB/s", "TTFT p50", "TTFT p99"):
+                "host hits/s", "KV GB/s", "moved out/in", "TTFT p50", "TTFT p99"):
         t.add_column(col, justify="left" if col in ("program", "role", "state") else "right",
                      no_wrap=True)
     for r in data:
         if r.error:
-            t.add_row(r.program, r.role, r.state, f"[red]{r.error}[/]", *[""] * 8)
+            t.add_row(r.program, r.role, r.state, f"[red]{r.error}[/]", *[""] * 9)
             continue
         t.add_row(r.program, r.role, r.state, _num(r.req_s, ".2f"), _num(r.running, ".0f"),
                   _num(r.queued, ".0f"), r.pages, r.host_pages, _num(r.host_hits_s, ".1f"),
-                  _num(r.transfer_gbps, ".3f"),
+                  _num(r.transfer_gbps, ".3f"), r.moved,
                   _ms(r.ttft_p50), _ms(r.ttft_p99))
     return t
 

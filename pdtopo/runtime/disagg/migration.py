@@ -352,6 +352,7 @@ class MigrationMixin:
         req.num_emitted = len(req.output_ids)
         req.cached_tokens = offer.cached_tokens
         req.first_token_time = req.last_token_time = time.monotonic()
+        req.timeline = {"migrated_at_token": float(len(req.output_ids)), "migration_replayed": 1.0}
         self.register_request(req)
         self.waiting.append(req)
         self.num_migrated_in += 1
@@ -367,6 +368,10 @@ class MigrationMixin:
                 f"{computed}", 500))
             return
         req.num_computed = computed
+        # the request's timeline (the final output's pd_timeline) says where it moved
+        req.timeline = {**(req.timeline or {}), "migrated_at_token": float(len(req.output_ids)),
+                        "migration_ms": round((time.monotonic() - req.first_token_time) * 1e3,
+                                              3)}
         self.num_migrated_in += 1
         self.metrics.migrations.labels("in", "moved").inc()
         self.add_to_running(req)
