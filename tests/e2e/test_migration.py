@@ -95,12 +95,19 @@ def _run_ref(cluster, prompt, n, **sp):
     return sink.wait()
 
 
-def _run_pd(cluster, prompt, n, room, d1, d2=None, migrate_at=None, **sp):
-    """P -> D1; with `d2`, the request moves to D2 once `migrate_at` tokens reached the sink.
+def _run_pd(cluster, prompt, n, room, d1, d2=None, migrate_at=None, replay=False, **sp):
+    """P -> D1; with `d2`, the request moves to D2 once `migrate_at` tokens reached the sink
+    (`replay`: D2 recomputes its KV, as the HTTP route decides for an incompatible source).
     Returns the sink's (ids, logprobs, final) and the migration's outcome."""
     p = cluster["p"]
     rid = new_rid()
-    sink = StreamSink(migrate_at, (lambda: d1.migrate(rid, d2.accept_migration))
+
+    def replay_at_d2(offer, sink):
+        d2.accept_replay(offer, sink)
+        d1.migration_replayed(offer.rid)
+
+    offer_to = replay_at_d2 if replay else (d2.accept_migration if d2 is not None else None)
+    sink = StreamSink(migrate_at, (lambda: d1.migrate(rid, offer_to))
                       if d2 is not None else None)
     rd = Req(rid=rid, prompt_ids=list(prompt), sampling=_sampling(n, **sp), sink=sink)
     rp = Req(rid=rid, prompt_ids=list(prompt), sampling=_sampling(n, **sp))
@@ -164,6 +171,26 @@ def test_migrated_outputs_equal_unmigrated(cluster, target):
     assert d1.stats()["pd_migrated_out"] >= len(CASES)
     assert d1.num_overlapped_steps > 0  # D1 decodes ahead: a step was in flight to land ...
     assert d1.num_migration_landings > 0  # ... and the export landed it first
+    _idle(d1, d2, cluster["p"])
+
+
+def test_replayed_outputs_equal_unmigrated(cluster):
+    """The replay fallback: D2 prefills the prompt and every token so far again and goes on;
+    greedy, seeded, penalised answers and logprobs equal an unmoved run's."""
+    rng = random.Random(17)
+    d1, d2 = cluster["d1"], cluster["d2"]
+    before = d2.stats()["pd_migrated_in"]
+    for k, (name, sp) in enumerate(CASES.items()):
+        prompt = [rng.randrange(2, 256) for _ in range(11)]
+        ref_ids, ref_lps, ref_final = _run_ref(cluster, prompt, 30, **sp)
+        (ids, lps, final), outcome = _run_pd(cluster, prompt, 30, 7500 + 10 * k, d1, d2,
+                                             migrate_at=9, replay=True, **sp)
+        assert outcome == {"moved": True, "reason": "done"}, (name, outcome)
+        assert ids == ref_ids, name
+        assert final.finish_reason == ref_final.finish_reason, name
+        if sp.get("logprobs", -1) >= 0:
+            _close(lps, ref_lps)
+    assert d2.stats()["pd_migrated_in"] == before + len(CASES)
     _idle(d1, d2, cluster["p"])
 
 
