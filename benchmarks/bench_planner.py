@@ -73,11 +73,11 @@ MAX_BATCH = 32             # engine.max_running_requests
 # other lengths, prompts and seed than the validation's load
 LONE = (40, 48, 48, 3.0, 1)
 # measured by this file's last full run (part 1) on this machine: used with --skip-real
-LAST_MEASURED = {"prefill_tps": 25146.26350989208,
-                 "decode_tps": [[1, 617.7785475599311], [4, 1574.5192402261225],
-                                [16, 4205.106728886192]],
+LAST_MEASURED = {"prefill_tps": 29204.944656215772,
+                 "decode_tps": [[1, 841.5209101609245], [4, 2015.4915270980625],
+                                [16, 5272.832673251661]],
                  "max_batch": 16, "transfer_s_per_token": 0.0, "chips": 1,
-                 "transfer_base_s": 0.017226963136151123,
+                 "transfer_base_s": 0.013993654699515901, "emit_lag_s": 0.0009757857131868755,
                  "source": "bench_planner.py part 1, 2026-12-05, 2 shared cores"}
 
 # -- the TPU rule (not a measurement: no TPU profile exists here)

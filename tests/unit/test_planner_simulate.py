@@ -115,3 +115,15 @@ def test_emit_lag_moves_one_lag_from_each_answers_last_gap_to_its_first():
     # a lag longer than the step never puts the last token before the one before it
     for g in gaps(replace(PARAMS, emit_lag_s=2 * step)):
         assert min(g) >= 0.0
+
+
+def test_jitter_unit_averages_the_noise_over_a_longer_span():
+    """With `jitter_unit_s`, a duration of n units takes the mean of n draws; without it (the
+    default) one draw, as before."""
+    params = replace(PARAMS, jitter=(0.0, 2.0))
+    one = _Sim([], params, Counts(1, 1), None, None)
+    assert {one.noise(100.0) for _ in range(50)} == {0.0, 2.0}
+    unit = _Sim([], replace(params, jitter_unit_s=1.0), Counts(1, 1), None, None)
+    assert unit.noise(0.4) in (0.0, 2.0)
+    draws = [unit.noise(400.0) for _ in range(20)]
+    assert all(0.7 < d < 1.3 for d in draws)
