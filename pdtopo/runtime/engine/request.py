@@ -17,8 +17,10 @@ import itertools
 import math
 import queue
 import re
+import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -288,18 +290,63 @@ class OutputSink(Protocol):
     def emit(self, out: ReqOutput) -> None: ...
 
 
+class _LoopDelivery:
+    """Outputs on their way from the scheduler thread to one event loop's queues, delivered
+    in bursts: the first output of a burst wakes the loop (`call_soon_threadsafe`: a write to
+    the loop's self-pipe, the costly part), the others of the same step only join the list.
+    Order is kept per queue (one FIFO list), and an output is on its queue before anything the
+    emitting thread schedules on the loop afterwards runs (the wake-up was scheduled first)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = weakref.ref(loop)  # weak: the registry of deliveries keys on the loop
+        self.pending: list[tuple[asyncio.Queue, ReqOutput]] = []
+        self.lock = threading.Lock()
+
+    def put(self, q: asyncio.Queue, out: ReqOutput) -> None:
+        with self.lock:
+            self.pending.append((q, out))
+            if len(self.pending) > 1:
+                return  # a wake-up is scheduled and has not run yet
+        try:
+            loop = self.loop()
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
+            with self.lock:
+                self.pending.clear()
+
+    def _deliver(self) -> None:
+        with self.lock:
+            batch, self.pending = self.pending, []
+        for q, out in batch:
+            q.put_nowait(out)
+
+
+_DELIVERIES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopDelivery] = \
+    weakref.WeakKeyDictionary()
+_DELIVERIES_LOCK = threading.Lock()
+
+
+def _delivery(loop: asyncio.AbstractEventLoop) -> _LoopDelivery:
+    with _DELIVERIES_LOCK:
+        d = _DELIVERIES.get(loop)
+        if d is None:
+            d = _DELIVERIES[loop] = _LoopDelivery(loop)
+        return d
+
+
 class AsyncSink:
-    """Fed from the scheduler thread, consumed with `await sink.get()` on an asyncio loop."""
+    """Fed from the scheduler thread, consumed with `await sink.get()` on an asyncio loop (the
+    outputs of one step reach the loop in one wake-up: `_LoopDelivery`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
         self.loop = loop or asyncio.get_running_loop()
         self.queue: asyncio.Queue[ReqOutput] = asyncio.Queue()
+        self._delivery = _delivery(self.loop)
 
     def emit(self, out: ReqOutput) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-        except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
-            pass
+        self._delivery.put(self.queue, out)
 
     async def get(self) -> ReqOutput:
         return await self.queue.get()
