@@ -43,13 +43,11 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
-
+from pdtopo.bench.closed_loop import PhasedLoad
 from pdtopo.bench.deployments import DetachedDeployment, log_tails, port_overrides
 from pdtopo.bench.loadgen import arrival_offsets, run_load
 from pdtopo.bench.settings import BenchSettings
@@ -216,47 +214,6 @@ def validate(root: Path) -> tuple[InstanceProfile, Calibration]:
 
 
 # ---------------------------------------------------------------------------- real planner
-class PhasedLoad:
-    """Closed-loop clients through the router (tests/e2e/test_planner_e2e.py's load)."""
-
-    def __init__(self, url: str, workers: int = 4) -> None:
-        self.url, self.phase = url, "prompt"
-        self.stop_event, self.lock = threading.Event(), threading.Lock()
-        self.ok, self.failures = 0, []
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                        for i in range(workers)]
-
-    def _run(self, i: int) -> None:
-        n = 0
-        while not self.stop_event.is_set():
-            prompt_len, out = {"prompt": (300, 2), "decode": (8, 64)}[self.phase]
-            ids = [(7 * (1000 * i + n) + j) % 200 + 3 for j in range(prompt_len)]
-            n += 1
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": out,
-                                                          "temperature": 0, "ignore_eos": True}}
-            try:
-                resp = httpx.post(f"{self.url}/generate", json=body, timeout=120)
-                good = resp.status_code == 200 and len(resp.json()["output_ids"]) == out
-                detail = f"{resp.status_code}: {resp.text[:200]}"
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
-                good, detail = False, repr(exc)
-            with self.lock:
-                if good:
-                    self.ok += 1
-                else:
-                    self.failures.append(f"{self.phase}: {detail}")
-
-    def __enter__(self) -> PhasedLoad:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        for t in self.threads:
-            t.join(150)
-
-
 def real_planner(root: Path) -> None:
     line("")
     line("== 2. the planner on real processes (tiny model, 1P1D on cpu-3: budget of 3 "

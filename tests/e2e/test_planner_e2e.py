@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdtopo.bench.closed_loop import PhasedLoad
 from pdtopo.launcher.operate import planner_files as files
 from pdtopo.launcher.operate.supervisor_control import Supervisor
 from tests.support.constants import TWO_LAYERS
@@ -66,59 +66,6 @@ def launch(tmp_path_factory, mode: str) -> Deployment:
     return Deployment(root / "run", [*TWO_LAYERS, "topology.accelerator=cpu-3",
                                      *deployment_overrides(block, instances=8),
                                      *planner_overrides(profile, mode)]).launch()
-
-
-class PhasedLoad:
-    """`workers` client threads through the router; `phase` picks the requests: prompt |
-    decode | trickle (one thread, a short request every 0.3 s). Every answer is checked."""
-
-    def __init__(self, url: str, workers: int = 4) -> None:
-        self.url = url
-        self.phase = "prompt"
-        self.stop_event = threading.Event()
-        self.lock = threading.Lock()
-        self.ok = 0
-        self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                        for i in range(workers)]
-
-    def _body(self, n: int) -> tuple[dict, int]:
-        prompt_len, out = {"prompt": (300, 2), "decode": (8, 64)}.get(self.phase, (16, 8))
-        ids = [(7 * n + j) % 200 + 3 for j in range(prompt_len)]
-        return {"input_ids": ids, "sampling_params": {"max_new_tokens": out,
-                                                      "temperature": 0, "ignore_eos": True}}, out
-
-    def _run(self, i: int) -> None:
-        n = 0
-        while not self.stop_event.is_set():
-            if self.phase == "trickle" and i > 0:
-                time.sleep(0.2)
-                continue
-            body, out = self._body(1000 * i + n)
-            n += 1
-            try:
-                resp = httpx.post(f"{self.url}/generate", json=body, timeout=120)
-                good = resp.status_code == 200 and len(resp.json()["output_ids"]) == out
-                detail = f"{self.phase}: {resp.status_code}: {resp.text[:200]}"
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
-                good, detail = False, f"{self.phase}: {exc!r}"
-            with self.lock:
-                if good:
-                    self.ok += 1
-                else:
-                    self.failures.append(detail)
-            if self.phase == "trickle":
-                time.sleep(0.3)
-
-    def __enter__(self) -> PhasedLoad:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        for t in self.threads:
-            t.join(150)
 
 
 def wait_record(dep: Deployment, pred: Callable[[dict], bool], timeout: float, what: str,

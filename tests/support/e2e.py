@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from pdtopo.bench.closed_loop import ClosedLoopLoad
 from pdtopo.bench.deployments import (
     DetachedDeployment,
     log_tails,
@@ -336,49 +336,18 @@ def colocated_reference(log_dir: Path, overrides: Sequence[str], prompts: Sequen
                for p in prompts}
 
 
-class SteadyLoad:
+class SteadyLoad(ClosedLoopLoad):
     """`workers` threads sending /generate to the proxy one after another until stopped;
     every answer's status (or exception) is kept."""
 
     def __init__(self, url: str, workers: int = 3, tokens: int = 16) -> None:
-        self.url = url
+        super().__init__(url, workers)
         self.tokens = tokens
-        self.stop_event = threading.Event()
-        self.lock = threading.Lock()
-        self.ok = 0
-        self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                        for i in range(workers)]
 
-    def _run(self, i: int) -> None:
-        n = 0
-        while not self.stop_event.is_set():
-            body = {"text": f"load {i}-{n}: " + "steady load " * (n % 5),
-                    "sampling_params": {"max_new_tokens": self.tokens, "temperature": 0,
-                                        "ignore_eos": True}}
-            n += 1
-            try:
-                resp = httpx.post(f"{self.url}/generate", json=body, timeout=120)
-                good = (resp.status_code == 200
-                        and len(resp.json()["output_ids"]) == self.tokens)
-                detail = f"{resp.status_code}: {resp.text[:200]}"
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
-                good, detail = False, repr(exc)
-            with self.lock:
-                if good:
-                    self.ok += 1
-                else:
-                    self.failures.append(detail)
-
-    def __enter__(self) -> SteadyLoad:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        for t in self.threads:
-            t.join(150)
+    def body(self, worker: int, n: int) -> tuple[dict, int]:
+        return {"text": f"load {worker}-{n}: " + "steady load " * (n % 5),
+                "sampling_params": {"max_new_tokens": self.tokens, "temperature": 0,
+                                    "ignore_eos": True}}, self.tokens
 
 
 def said(res: subprocess.CompletedProcess) -> str:
