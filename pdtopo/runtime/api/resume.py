@@ -87,6 +87,7 @@ class _Writer:
         self.streamed = streamed      # the source sent the headers: chunked body goes on
         self.whole = False            # a response the source had not begun: written whole
         self.complete = False
+        self.error_status: int | None = None  # an error answer where a stream was begun
 
     async def send(self, msg: dict) -> None:
         if self.complete:
@@ -96,8 +97,7 @@ class _Writer:
             if self.streamed:
                 if any(k.lower() == b"content-length" for k, _ in headers):
                     # an error answer where a stream was begun: as an event, then the end
-                    self.whole = False
-                    self._error_status = msg["status"]
+                    self.error_status = msg["status"]
                 return
             self.whole = True
             phrase = http.HTTPStatus(msg["status"]).phrase
@@ -110,7 +110,7 @@ class _Writer:
             more = bool(msg.get("more_body", False))
             if self.whole:
                 self.w.write(body)
-            elif getattr(self, "_error_status", None) is not None:
+            elif self.error_status is not None:
                 if body:  # the error's JSON body, as one SSE event
                     self._chunk(b"data: " + body + b"\n\n")
             elif body and not self.ticket.replaying():
