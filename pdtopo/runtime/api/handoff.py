@@ -106,3 +106,6 @@ class HandoffListener:
         except OSError:
             pass
         self.sock.close()
+        # the accept in flight holds the socket until it returns: the address is free after
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5.0)

@@ -175,7 +175,7 @@ def generate_result(h: Handle, view: TextView, upto: ReqOutput | None = None,
 
 
 async def generate_events(handles: list[Handle], views: list[TextView], batch: bool,
-                          with_text: bool = False) -> AsyncIterator[str]:
+                          with_text: bool = False) -> AsyncIterator[bytes]:
     """The SSE stream of /generate: one result chunk per output (with its `index` in a batch)."""
     async for i, out in merged_outputs(handles):
         h = handles[i]

@@ -188,7 +188,7 @@ def _completion_body(state: ServerState, env: _Envelope, handles: list[Handle],
 
 async def _completion_events(state: ServerState, env: _Envelope, handles: list[Handle],
                              views: list[TextView],
-                             include_usage: bool) -> AsyncIterator[str]:
+                             include_usage: bool) -> AsyncIterator[bytes]:
     """One chunk per output with new visible text, new logprobs or a finish, then usage,
     then [DONE]."""
     reported = [0] * len(handles)  # output tokens whose logprobs were sent, per choice
@@ -282,7 +282,7 @@ def _chat_chunk(env: _Envelope, index: int, delta: dict[str, Any], finish: str |
 
 
 async def _chat_events(state: ServerState, env: _Envelope, handles: list[Handle],
-                       views: list[TextView], include_usage: bool) -> AsyncIterator[str]:
+                       views: list[TextView], include_usage: bool) -> AsyncIterator[bytes]:
     """Per choice: the assistant role, content deltas (with the new tokens' logprobs when asked
     for), a finish chunk; then usage, then [DONE]."""
     for i in range(len(handles)):

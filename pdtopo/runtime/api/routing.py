@@ -2,7 +2,7 @@
 
 `create_app` stores the server's one `ServerState` on `app.state.server`; a handler declares a
 parameter `state: ServerDep` and FastAPI passes that state in (`server_state`). Handlers submit
-`Handle`s and then either stream them (`event_stream` of SSE strings, `stream_error_event` for a
+`Handle`s and then either stream them (`event_stream` of SSE events, `stream_error_event` for a
 request that ended in an abort) or wait for all of them (`finished_or_error`: the 499 / abort
 error response to send instead, or None when every handle finished cleanly).
 """
@@ -47,10 +47,10 @@ async def finished_or_error(handles: list[Handle], request: Request) -> JSONResp
     return first_abort_error(handles)
 
 
-def stream_error_event(h: Handle, err: tuple[int, str], **extra: Any) -> str:
+def stream_error_event(h: Handle, err: tuple[int, str], **extra: Any) -> bytes:
     """The SSE event a stream sends for a request that ended in an abort."""
     return sse({"error": {"message": f"request {h.rid}: {err[1]}", "code": err[0]}, **extra})
 
 
-def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream")

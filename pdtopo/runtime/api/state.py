@@ -76,6 +76,14 @@ class Handle:
             out = await self.sink.get()
         else:
             out = await asyncio.wait_for(self.sink.get(), timeout)
+        return self._took(out)
+
+    def next_nowait(self) -> ReqOutput | None:
+        """The next output if one is queued, else None."""
+        out = self.sink.get_nowait()
+        return None if out is None else self._took(out)
+
+    def _took(self, out: ReqOutput) -> ReqOutput:
         self.output_ids.extend(out.new_token_ids)
         self.output_logprobs.extend(out.new_logprobs or ())
         if out.finished:

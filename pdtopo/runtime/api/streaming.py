@@ -15,21 +15,23 @@ streaming task). Both hand the response to another D when they meet a `HandoffMa
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 
 from pdtopo.runtime.api.movable import HandoffMarker
 from pdtopo.runtime.api.state import Handle
 from pdtopo.runtime.engine.request import ReqOutput
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def sse(obj: Any) -> bytes:
+    """One Server-Sent Event carrying `obj` as JSON (UTF-8, non-ASCII as is): orjson, about
+    15x faster than the standard library's encoder at a stream event's size."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -116,11 +118,12 @@ async def collect(handles: Sequence[Handle], request: Request | None) -> None:
                 try:
                     out = await h.next(timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
-                    pass
-                else:
+                    out = None
+                while out is not None:  # and every output queued by now, without a wait
                     if isinstance(out, HandoffMarker):  # nothing was written yet
                         await out.perform(streamed=False)
                         raise ClientDisconnected()      # the target answers it now
+                    out = None if h.final is not None else h.next_nowait()
                 # Check on a clock, not only when outputs pause: a request that keeps
                 # generating must still notice that its client went away.
                 if request is not None and loop.time() >= next_check:
@@ -132,35 +135,73 @@ async def collect(handles: Sequence[Handle], request: Request | None) -> None:
             h.abort()  # no-op for finished handles
 
 
+async def latest_outputs(h: Handle) -> AsyncIterator[ReqOutput]:
+    """One handle's outputs as its consumer can keep up with them: when several are queued by
+    the time it asks, it gets the newest and the superseded ones are skipped (every event is
+    built from the handle's cumulative state: `h.output_ids`, counters of what was sent), so
+    a consumer that falls behind the scheduler writes one event per wake-up, not one per
+    token. Never skipped: the first output (a resumed response's, which holds what the client
+    already has, resume_context.py), a final one, a `HandoffMarker` (what came before it is
+    yielded first)."""
+    first = True
+    while h.final is None:
+        out = await h.next()
+        while not first and not out.finished and not isinstance(out, HandoffMarker):
+            nxt = h.next_nowait()
+            if nxt is None:
+                break
+            if isinstance(nxt, HandoffMarker):
+                yield out
+                out = nxt
+                break
+            out = nxt
+        first = False
+        yield out
+        if isinstance(out, HandoffMarker):
+            return
+
+
 async def merged_outputs(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, ReqOutput]]:
-    """Outputs of several handles in arrival order. Unfinished handles are aborted when the
-    consumer stops early (client disconnect -> task cancelled -> this generator closed)."""
-    queue: asyncio.Queue[tuple[int, ReqOutput]] = asyncio.Queue()
-
-    async def pump(i: int, h: Handle) -> None:
-        while h.final is None:
-            out = await h.next()
-            queue.put_nowait((i, out))
-            if isinstance(out, HandoffMarker):
-                return
-
-    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
-    remaining = len(handles)
+    """Outputs of several handles in arrival order (each as `latest_outputs` gives them).
+    Unfinished handles are aborted when the consumer stops early (client disconnect -> task
+    cancelled -> this generator closed)."""
     try:
-        while remaining:
-            i, out = await queue.get()
-            if isinstance(out, HandoffMarker):  # every earlier event is written by now
-                await out.perform(streamed=True)
-                await asyncio.Event().wait()    # until the closed connection cancels us
-            if out.finished:
-                remaining -= 1
-            handles[i].last_out = out
-            yield i, out
+        if len(handles) == 1:  # the common case: no pump task, no second queue
+            async for out in latest_outputs(handles[0]):
+                async for item in _consumed(handles, 0, out):
+                    yield item
+            return
+        queue: asyncio.Queue[tuple[int, ReqOutput]] = asyncio.Queue()
+
+        async def pump(i: int, h: Handle) -> None:
+            async for out in latest_outputs(h):
+                queue.put_nowait((i, out))
+
+        tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+        try:
+            remaining = len(handles)
+            while remaining:
+                i, out = await queue.get()
+                remaining -= bool(out.finished)
+                async for item in _consumed(handles, i, out):
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
     finally:
-        for t in tasks:
-            t.cancel()
         for h in handles:
             h.abort()
+
+
+async def _consumed(handles: Sequence[Handle], i: int,
+                    out: ReqOutput) -> AsyncIterator[tuple[int, ReqOutput]]:
+    """`out` of handle i to the consumer; a `HandoffMarker` hands the response away instead
+    (every earlier event is written by now) and waits to be cancelled with the connection."""
+    if isinstance(out, HandoffMarker):
+        await out.perform(streamed=True)
+        await asyncio.Event().wait()
+    handles[i].last_out = out
+    yield i, out
 
 
 def abort_error(final: ReqOutput) -> tuple[int, str] | None:

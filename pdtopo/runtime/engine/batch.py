@@ -18,7 +18,7 @@ from typing import Any
 
 from pdtopo.runtime.engine.penalties import PenaltyHistory
 from pdtopo.runtime.engine.request import Req
-from pdtopo.runtime.engine.sampling import RowParams
+from pdtopo.runtime.engine.sampling import GREEDY_ROW, RowParams
 
 
 @dataclass
@@ -54,19 +54,25 @@ def prompt_piece(req: Req, budget: int) -> tuple[list[int], bool]:
 
 def decode_piece(req: Req) -> list[int]:
     """A running request's tokens not computed yet (its newest token)."""
+    past_prompt = req.num_computed - len(req.prompt_ids)
+    if past_prompt >= 0:  # the usual case: no copy of the whole sequence
+        return req.output_ids[past_prompt:]
     return req.all_ids[req.num_computed:]
 
 
 # the row of a prompt chunk that does not end its prompt: its token is dropped (batch_rows)
-DROPPED_ROW = RowParams(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
+DROPPED_ROW = GREEDY_ROW
 
 
 def sampler_row(req: Req, ahead: int = 0) -> RowParams:
     """The sampler's settings for `req`'s next token; `ahead`: tokens sampled, not landed yet."""
     sp = req.sampling
+    if sp.logprobs < 0 and sp.is_greedy and not sp.penalised:
+        return GREEDY_ROW  # its token is the argmax whatever else it set: no row of its own
     return RowParams(sp.temperature, sp.top_k, sp.top_p, int(sp.seed or 0),
                      len(req.output_ids) + ahead, min_p=sp.min_p,
                      presence_penalty=sp.presence_penalty,
                      frequency_penalty=sp.frequency_penalty,
                      repetition_penalty=sp.repetition_penalty, logprobs=sp.logprobs,
-                     history=PenaltyHistory(req.serial, req.prompt_ids, req.output_ids))
+                     history=(PenaltyHistory(req.serial, req.prompt_ids, req.output_ids)
+                              if sp.penalised else None))

@@ -56,9 +56,12 @@ from pdtopo.runtime.engine.pool_format import POOL_FORMAT
 from pdtopo.runtime.engine.sampling import penalty_slots_for, sampler_memory_bytes
 from pdtopo.runtime.engine.step_errors import StepFault
 from pdtopo.runtime.engine.step_inputs import (
+    PackedChunks,
     StepGeometry,
     StepInputs,
     bucket,
+    pack_chunks,
+    prepare_packed,
     prepare_step,
     shape_grid,
     warmup_steps,
@@ -344,28 +347,42 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
 
-    def _validate(self, chunks: Sequence[SeqChunk]) -> None:
+    def _validate(self, chunks: Sequence[SeqChunk]) -> PackedChunks:
+        """The chunks packed (`pack_chunks`), or ValueError naming the first bad chunk."""
         if not chunks:
             raise ValueError("forward: chunks is empty")
+        packed = pack_chunks(chunks, self.page_size)
         vocab = self.config.vocab_size
-        for i, c in enumerate(chunks):
-            ids = np.asarray(c.token_ids)
-            if ids.ndim != 1 or ids.size == 0:
-                raise ValueError(f"chunk {i}: token_ids must be a non-empty 1-D sequence")
-            if ids.min() < 0 or ids.max() >= vocab:
-                raise ValueError(f"chunk {i}: token id out of range [0, {vocab}): "
-                                 f"min {ids.min()}, max {ids.max()}")
-            if c.start_pos < 0:
-                raise ValueError(f"chunk {i}: start_pos={c.start_pos} must be >= 0")
-            need = math.ceil((c.start_pos + ids.size) / self.page_size)
-            pages = np.asarray(c.page_ids, dtype=np.int64)[:need]
-            if pages.size < need:
-                raise ValueError(
-                    f"chunk {i}: page_ids has {len(c.page_ids)} pages but start_pos "
-                    f"{c.start_pos} + {ids.size} tokens need {need} (page_size {self.page_size})")
-            if pages.size and (pages.min() < 1 or pages.max() >= self.num_pages):
-                raise ValueError(f"chunk {i}: page ids must be in [1, {self.num_pages}) "
-                                 f"(page 0 is reserved), got {pages.tolist()}")
+        ends = np.cumsum(packed.lens)
+
+        def owner(flat_index: int, counts: np.ndarray) -> int:  # the chunk of a flat entry
+            return int(np.searchsorted(np.cumsum(counts), flat_index, side="right"))
+
+        if (packed.lens == 0).any():
+            i = int(np.argmax(packed.lens == 0))
+            raise ValueError(f"chunk {i}: token_ids must be a non-empty 1-D sequence")
+        bad = (packed.tokens < 0) | (packed.tokens >= vocab)
+        if bad.any():
+            i = owner(int(np.argmax(bad)), packed.lens)
+            ids = packed.tokens[ends[i] - packed.lens[i]:ends[i]]
+            raise ValueError(f"chunk {i}: token id out of range [0, {vocab}): "
+                             f"min {ids.min()}, max {ids.max()}")
+        if (packed.starts < 0).any():
+            i = int(np.argmax(packed.starts < 0))
+            raise ValueError(f"chunk {i}: start_pos={packed.starts[i]} must be >= 0")
+        if (packed.have < packed.need).any():
+            i = int(np.argmax(packed.have < packed.need))
+            raise ValueError(
+                f"chunk {i}: page_ids has {packed.have[i]} pages but start_pos "
+                f"{packed.starts[i]} + {packed.lens[i]} tokens need {packed.need[i]} "
+                f"(page_size {self.page_size})")
+        bad = (packed.pages < 1) | (packed.pages >= self.num_pages)
+        if bad.any():
+            i = owner(int(np.argmax(bad)), packed.need)
+            pages = packed.pages[packed.page_offsets[i]:][:packed.need[i]]
+            raise ValueError(f"chunk {i}: page ids must be in [1, {self.num_pages}) "
+                             f"(page 0 is reserved), got {pages.tolist()}")
+        return packed
 
     def _device_inputs(self, step: StepInputs, feed: tuple | None = None) -> tuple:
         """The step's host arrays on the devices, in one transfer (`StepTransfer`); `feed`:
@@ -412,8 +429,7 @@ class ModelRunner:
         rows[i] < 0: chunk i's own token)
         On a mesh spanning several processes every process must call forward with the same
         chunks (lockstep) and gets its local copy of the logits."""
-        self._validate(chunks)
-        logits = self._run(prepare_step(chunks, self.geometry), feed)
+        logits = self._run(prepare_packed(self._validate(chunks), self.geometry), feed)
         if not logits.is_fully_addressable:
             # multi-process mesh: logits are replicated; sample from this process's copy
             logits = logits.addressable_data(0)

@@ -4,7 +4,10 @@ ends (`OutputMixin`, mixed into the `Scheduler` like overlap.py).
 Data flow, on the scheduler thread, per request and sampled token (`run_batch`, overlap's
 `land`, D's first token from P):
 
-    process_new_token(req, token, logprob)
+    process_new_token(req, token, logprob)       one token (a prompt's first: on_prefill_finished)
+    land_decode_rows(rows, result)               a landed step's decode rows, the clock read and
+                                                 the token metrics counted once per step
+      each: take_token(req, token, ...)
         -> appended to `req.output_ids` (and its logprob when the request asked for them),
            its first-token / inter-token times observed
         -> check_stop(req): max_new_tokens or the context length, EOS (unless ignore_eos), a
@@ -23,7 +26,10 @@ call `process_new_token` for a first token that comes from elsewhere.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from pdtopo.runtime.engine.request import FinishReason, Req, ReqOutput, ReqStatus, TokenLogprob
 from pdtopo.runtime.engine.sampling import SampleResult
@@ -52,26 +58,58 @@ class OutputMixin:
 
     def process_new_token(self, req: Req, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Append a sampled token (and its logprob, when the request asked for them), emit it,
-        finish the request if a stop condition holds."""
+        finish the request if a stop condition holds; True when it finished."""
+        gaps: list[float] = []
+        done = self.take_token(req, int(token), logprob, time.monotonic(), gaps)
+        self.count_tokens(1, gaps)
+        return done
+
+    def land_decode_rows(self, batch: Any, result: SampleResult) -> None:
+        """A landed step's decode rows (the first `batch.num_decode`; requests that finished
+        meanwhile skipped): each computed its chunk and takes its token as in
+        `process_new_token`, with the clock read and the token metrics counted once."""
+        if not batch.num_decode:
+            return
+        tokens = np.asarray(result.tokens).tolist()
         now = time.monotonic()
-        req.output_ids.append(int(token))
+        gaps: list[float] = []
+        n = 0
+        for i in range(batch.num_decode):
+            req = batch.reqs[i]
+            if req.finished:
+                continue
+            req.num_computed += len(batch.chunks[i].token_ids)
+            self.take_token(req, tokens[i], self.token_logprob(result, i, req), now, gaps)
+            n += 1
+        self.count_tokens(n, gaps)
+
+    def take_token(self, req: Req, token: int, logprob: TokenLogprob | None, now: float,
+                   gaps: list[float]) -> bool:
+        """One token into its request (its inter-token gap appended to `gaps`): emitted, or
+        the request finished; True when it finished."""
+        req.output_ids.append(token)
         if req.sampling.logprobs >= 0:
             req.output_logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival_time)
         elif req.last_token_time is not None:
-            self.metrics.itl.observe(now - req.last_token_time)
-            self.metrics.tpot.observe(now - req.last_token_time)
+            gaps.append(now - req.last_token_time)
         req.last_token_time = now
-        self.num_generated += 1
-        self.metrics.generation_tokens.inc()
         reason = self.check_stop(req)
         if reason is not None:
             self.finish_request(req, reason)
             return True
         self.emit(req)
         return False
+
+    def count_tokens(self, n: int, gaps: Sequence[float]) -> None:
+        """Generated-token totals and the inter-token latencies of a batch of tokens."""
+        self.num_generated += n
+        self.metrics.generation_tokens.inc(n)
+        if gaps:
+            self.metrics.itl.observe_many(gaps)
+            self.metrics.tpot.observe_many(gaps)
 
     def check_stop(self, req: Req) -> dict[str, Any] | None:
         sp = req.sampling

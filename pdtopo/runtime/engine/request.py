@@ -351,6 +351,13 @@ class AsyncSink:
     async def get(self) -> ReqOutput:
         return await self.queue.get()
 
+    def get_nowait(self) -> ReqOutput | None:
+        """The next output if one is on the queue, else None."""
+        try:
+            return self.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
 
 class QueueSink:
     """A thread-safe sink for synchronous consumers."""

@@ -75,6 +75,12 @@ class RowParams:
         return not self.greedy or self.logprobs >= 0 or self.penalised
 
 
+# one row for every request whose token is the argmax and that asked for nothing else (no
+# logprobs, no penalty): what the sampler reads of a row then is the same whatever its seed,
+# step or filters
+GREEDY_ROW = RowParams(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
+
+
 @dataclass(frozen=True)
 class SampleResult:
     """Token ids of the requests' rows; with logprobs asked for, per row the sampled token's
@@ -289,7 +295,7 @@ class Sampler:
         n_rows, n = logits.shape[0], len(rows)
         if n > n_rows:
             raise ValueError(f"{n} sampling rows for logits with {n_rows} rows")
-        if not any(r.needs_full_program for r in rows):
+        if not any(r.needs_full_program for r in rows if r is not GREEDY_ROW):
             return PendingSample({"tokens": self._program(_greedy, logits)(logits)}, n)
         tables = self._tables(logits)
         params = _row_params(rows, n_rows)

@@ -376,7 +376,8 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
         return True
 
     def schedule_decode(self) -> ScheduledBatch | None:
-        for req in list(self.running):
+        ps = self.page_size
+        for req in [r for r in self.running if -(-r.seq_len // ps) > len(r.page_ids)]:
             if req not in self.running:
                 continue  # preempted while growing an earlier request
             need = self.pages_for(req.seq_len) - len(req.page_ids)
@@ -394,11 +395,10 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
                         f"{need} needed)", 503))
         if not self.running:
             return None
-        batch = ScheduledBatch("decode", list(self.running), [], num_decode=len(self.running))
-        for req in batch.reqs:
-            batch.chunks.append(self.make_chunk(decode_piece(req), req.num_computed,
-                                                req.page_ids))
-        return batch
+        make_chunk = self.make_chunk
+        return ScheduledBatch("decode", list(self.running),
+                              [make_chunk(decode_piece(r), r.num_computed, r.page_ids)
+                               for r in self.running], num_decode=len(self.running))
 
     def row_params(self, req: Req, ahead: int = 0) -> RowParams:
         return sampler_row(req, ahead)
@@ -426,23 +426,21 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
         self.num_forward += 1
         self.num_mixed_steps += batch.kind == "mixed"
         self.num_decode_steps += batch.kind == "decode"
-        for i, req in enumerate(batch.reqs):
+        self.land_decode_rows(batch, result)
+        for i in range(batch.num_decode, len(batch.reqs)):  # prompt chunks
+            req = batch.reqs[i]
             if req.finished:
                 continue
             n = len(batch.chunks[i].token_ids)
             req.num_computed += n
-            if i >= batch.num_decode:  # a prompt chunk
-                self.num_prefill_tokens += n
-                self.metrics.prompt_tokens.inc(n)
-                self.metrics.computed_tokens.inc(n)
-                if not batch.completes[i - batch.num_decode]:
-                    continue
-                if req.num_followers and self.prefix_cache is not None:
-                    # the other completions of this prompt start from these pages
-                    self.prefix_cache.insert(req.all_ids, req.page_ids, req.num_computed)
-                self.waiting.remove(req)
-                self.on_prefill_finished(req, int(result.tokens[i]),
-                                         self.token_logprob(result, i, req))
-            else:
-                self.process_new_token(req, int(result.tokens[i]),
-                                       self.token_logprob(result, i, req))
+            self.num_prefill_tokens += n
+            self.metrics.prompt_tokens.inc(n)
+            self.metrics.computed_tokens.inc(n)
+            if not batch.completes[i - batch.num_decode]:
+                continue
+            if req.num_followers and self.prefix_cache is not None:
+                # the other completions of this prompt start from these pages
+                self.prefix_cache.insert(req.all_ids, req.page_ids, req.num_computed)
+            self.waiting.remove(req)
+            self.on_prefill_finished(req, int(result.tokens[i]),
+                                     self.token_logprob(result, i, req))

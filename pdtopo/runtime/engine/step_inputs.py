@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -160,22 +161,66 @@ class StepInputs:
     last_idx: np.ndarray   # [rows] flat index of each sequence's last token (logit rows)
 
 
-def choose_layout(lens: Sequence[int], geometry: StepGeometry) -> str:
+def choose_layout(lens: np.ndarray, geometry: StepGeometry) -> str:
     if geometry.layout_kind == "ragged":
         return "ragged"
-    return "decode" if geometry.decode_layout and all(n == 1 for n in lens) else "flat"
+    return "decode" if geometry.decode_layout and bool((lens == 1).all()) else "flat"
+
+
+@dataclass
+class PackedChunks:
+    """A step's chunks as flat arrays (`pack_chunks`), read once for validation and packing."""
+
+    lens: np.ndarray    # [n] new tokens of each chunk
+    starts: np.ndarray  # [n] its start_pos
+    need: np.ndarray    # [n] pages its context spans after this step
+    have: np.ndarray    # [n] pages its page_ids list
+    tokens: np.ndarray  # [sum(lens)] the chunks' new tokens, one chunk after another
+    pages: np.ndarray   # [sum(min(need, have))] each chunk's first `need` pages, likewise
+
+    @property
+    def page_offsets(self) -> np.ndarray:
+        """Where each chunk's pages start in `pages`."""
+        taken = np.minimum(self.need, self.have)
+        return np.cumsum(taken) - taken
+
+
+def pack_chunks(chunks: Sequence[Any], page_size: int) -> PackedChunks:
+    """The chunks' lengths, positions, tokens and needed pages in a few NumPy arrays (one pass
+    over the chunks per field, no per-chunk array). A chunk whose token_ids are not a flat
+    sequence of ints raises ValueError naming it."""
+    n = len(chunks)
+    lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, n)
+    starts = np.fromiter((c.start_pos for c in chunks), np.int64, n)
+    need = -(-(starts + lens) // page_size)
+    have = np.fromiter((len(c.page_ids) for c in chunks), np.int64, n)
+    taken = np.minimum(need, have)
+    try:
+        tokens = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), np.int64,
+                             int(lens.sum()))
+    except (TypeError, ValueError):
+        bad = next(i for i, c in enumerate(chunks) if np.asarray(c.token_ids).ndim != 1)
+        raise ValueError(f"chunk {bad}: token_ids must be a non-empty 1-D sequence") from None
+    pages = np.fromiter(chain.from_iterable(
+        c.page_ids[:k] for c, k in zip(chunks, taken.tolist(), strict=True)), np.int64,
+        int(taken.sum()))
+    return PackedChunks(lens, starts, need, have, tokens, pages)
 
 
 def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
     """Padded host arrays of one step over `chunks` (objects with token_ids, start_pos and
     page_ids covering start_pos + len(token_ids)). The caller has validated them."""
+    return prepare_packed(pack_chunks(chunks, geometry.page_size), geometry)
+
+
+def prepare_packed(packed: PackedChunks, geometry: StepGeometry) -> StepInputs:
+    """`prepare_step` from chunks already packed (`pack_chunks`)."""
     ps, bp = geometry.page_size, geometry.block_pages
-    n = len(chunks)
-    lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
-    starts = np.array([c.start_pos for c in chunks], dtype=np.int32)
-    need = -(-(starts + lens) // ps)  # pages each sequence's context spans after this step
+    lens, starts = packed.lens.astype(np.int32), packed.starts.astype(np.int32)
+    n = len(lens)
+    need = packed.need.astype(np.int32)  # pages each sequence's context spans after this step
     total = int(lens.sum())
-    layout = choose_layout(lens.tolist(), geometry)
+    layout = choose_layout(lens, geometry)
 
     if layout == "decode":
         tb = rows = max(bucket(n), 1)
@@ -191,15 +236,19 @@ def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
     seq = np.repeat(np.arange(n, dtype=np.int32), lens)
     pos = starts[seq] + (np.arange(total, dtype=np.int32) - cu[seq])
     tokens = np.zeros(tb, dtype=np.int32)
-    tokens[:total] = np.concatenate([np.asarray(c.token_ids, dtype=np.int32) for c in chunks])
+    tokens[:total] = packed.tokens
     positions = np.zeros(tb, dtype=np.int32)
     positions[:total] = pos
-    tables = [np.asarray(c.page_ids[:need[i]], dtype=np.int32) for i, c in enumerate(chunks)]
+    # each sequence's pages lie in packed.pages from page_off on; page j of sequence i is
+    # packed.pages[page_off[i] + j], the sequence and column of every listed page below
+    page_off = packed.page_offsets.astype(np.int32)
+    listed = np.minimum(packed.need, packed.have).astype(np.int32)
+    page_seq = np.repeat(np.arange(n, dtype=np.int32), listed)
+    page_col = np.arange(len(packed.pages), dtype=np.int32) - page_off[page_seq]
     slot_pages = np.zeros(tb, dtype=np.int32)  # padding tokens write the reserved page 0
     slot_offsets = np.zeros(tb, dtype=np.int32)
     if total:
-        slot_pages[:total] = np.concatenate(
-            [t[(pos[cu[i]:cu[i + 1]]) // ps] for i, t in enumerate(tables)])
+        slot_pages[:total] = packed.pages[page_off[seq] + pos // ps]
         slot_offsets[:total] = pos % ps
     last_idx = np.zeros(rows, dtype=np.int32)
     last_idx[:n] = cu[1:n + 1] - 1
@@ -211,18 +260,17 @@ def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
             bucket(n_ctx), bp)
         ctx_pages = np.zeros(width, dtype=np.int32)
         tile, span = geometry.tile_tokens, bp * ps
+        ctx_at = (np.cumsum(blocks) - blocks) * bp  # each sequence's first slot, block-aligned
+        ctx_pages[ctx_at[page_seq] + page_col] = packed.pages
         items: list[tuple[int, int, int, int, int]] = []
-        at = 0
-        for i, t in enumerate(tables):
-            ctx_pages[at:at + len(t)] = t
-            first_block, lo, hi = at // bp, int(cu[i]), int(cu[i + 1])
+        for i in range(n):
+            first_block, lo, hi = int(ctx_at[i]) // bp, int(cu[i]), int(cu[i + 1])
             for row in range(lo, hi, tile):
                 rows_in = min(tile, hi - row)
                 qpos = int(starts[i]) + row - lo
                 last_pos = qpos + rows_in - 1
                 for j in range(min(int(blocks[i]), last_pos // span + 1)):  # causal skip
                     items.append((first_block + j, row, rows_in, qpos, j * span))
-            at += int(blocks[i]) * bp
         n_work = len(items)
         width_i = geometry.flat_work if n_work <= geometry.flat_work else bucket(n_work)
         work = np.zeros((len(WORK_FIELDS), width_i), dtype=np.int32)
@@ -237,8 +285,7 @@ def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
         if int(need.max()) > width:
             width = round_up(bucket(int(need.max())), bp)
         page_table = np.zeros((rows, width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            page_table[i, :len(t)] = t
+        page_table[page_seq, page_col] = packed.pages
         kv_lens = np.zeros(rows, dtype=np.int32)
         kv_lens[:n] = starts + lens
         num_blocks = np.array([-(-int(need.max()) // bp)], dtype=np.int32)
