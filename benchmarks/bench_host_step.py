@@ -357,7 +357,9 @@ def install_profile(server: Server, full: bool) -> Profile:
                             ("idle_wait", "idle"), ("dispatch_step", "packing"),
                             ("run_batch", "bookkeeping"), ("land", "bookkeeping"),
                             ("launch", "bookkeeping"), ("process_new_token", "bookkeeping"),
-                            ("finish_request", "bookkeeping"), ("emit", "emit")):
+                            ("land_decode_rows", "bookkeeping"),
+                            ("finish_request", "bookkeeping"), ("emit", "emit"),
+                            ("flush_outputs", "emit")):
             p.wrap(s, name, group)
         p.wrap(r, "forward", "packing")  # its own time: validating the chunks
         p.wrap(model_runner, "prepare_step", "packing")
@@ -503,8 +505,8 @@ SCHED_ROWS = [
     ("packing", "input packing (prepare_step, chunks, sampler rows)"),
     ("transfer", "transfer (one host->device put + unpack)"),
     ("readback", "readback (device_get once the step is ready)"),
-    ("bookkeeping", "per-token bookkeeping (process_new_token, stops, finish)"),
-    ("emit", "emit (ReqOutput, AsyncSink: wake the event loop)"),
+    ("bookkeeping", "per-token bookkeeping (land_decode_rows, stops, finish)"),
+    ("emit", "emit (ReqOutput; held, to the sinks before the wait)"),
     ("detokenize", "detokenization (stop strings)"),
     ("loop", "loop glue (step())"),
 ]

@@ -309,3 +309,41 @@ def test_mixed_steps_keep_decodes_running_while_a_long_prompt_prefills(mixed):
         assert [[len(x.token_ids) for x in c] for c in while_prefilling] == [[8]] * 3 + [[6]]
         assert s.stats()["num_mixed_steps"] == 0
     assert_baseline(s)
+
+
+def test_the_loop_hands_a_steps_outputs_over_before_its_next_device_wait():
+    """With the loop's outbox (Scheduler.event_loop), a landing's outputs are held while the
+    next step is formed and dispatched, and reach their sinks, in order and complete, before
+    the scheduler waits for that step (or goes idle): the HTTP side streams them while the
+    device works, not while the scheduler packs."""
+    from pdtopo.runtime.engine.sampling import PendingSample
+
+    s = Scheduler(make_ctx(), FakeRunner(num_pages=64, page_size=4), FakeTokenizer())
+    s.outbox = []
+    reqs = [mk(f"r{i}", [2 + i, 3, 4], n=4) for i in range(3)]
+    for req, _ in reqs:
+        s.submit(req)
+    seen_at_wait = []
+    result = PendingSample.result
+
+    def waiting(pending):
+        seen_at_wait.append([sink.queue.qsize() for _, sink in reqs])
+        return result(pending)
+
+    PendingSample.result = waiting
+    try:
+        s.step()  # the prefill: its first tokens are held after it lands
+        held = len(s.outbox)
+        assert held == 3 and all(sink.queue.empty() for _, sink in reqs)
+        s.step()  # the first decode step: the held outputs go out before its wait
+        assert seen_at_wait[-1] == [1, 1, 1]
+        while s.has_work():
+            s.step()
+        s.step()  # idle: what the last landing emitted goes out before the idle wait
+    finally:
+        PendingSample.result = result
+    assert not s.outbox
+    for i, (_, sink) in enumerate(reqs):
+        ids, last = collect(sink)
+        assert ids == reference([2 + i, 3, 4], 4) and last.finished
+    assert_baseline(s)

@@ -181,6 +181,9 @@ class MigrationMixin:
             flight, self.in_flight = self.in_flight, None
             self.land(flight)  # its tokens emitted here; the next step is formed afresh
             self.num_migration_landings += 1
+        # every output emitted so far reaches the client's queue before the offer (which says
+        # the client has all of req.output_ids) and before the move's result wakes the route
+        self.flush_outputs()
         if req is None or req.finished or req.status != ReqStatus.RUNNING or \
                 req not in self.running or rid in self._outgoing:
             fut.set_result({"moved": False, "reason": "not a running request here"})

@@ -127,6 +127,20 @@ class OutputMixin:
                     return FinishReason.stop_str(s)
         return None
 
+    # the scheduler's loop holds outputs here between a landing and its next wait (the device's
+    # step, or idle): `flush_outputs`. None (a scheduler driven step by step, tests): emitted
+    # at once
+    outbox: list[tuple[Any, ReqOutput]] | None = None
+
+    def flush_outputs(self) -> None:
+        """The held outputs into their sinks, in the order they were emitted (the event loop
+        is woken once for them all: request.py's `_LoopDelivery`)."""
+        box = self.outbox
+        if box:
+            self.outbox = []
+            for sink, out in box:
+                sink.emit(out)
+
     def emit(self, req: Req) -> None:
         new = req.output_ids[req.num_emitted:]
         if not new and not req.finished:
@@ -134,11 +148,15 @@ class OutputMixin:
         logprobs = (req.output_logprobs[req.num_emitted:len(req.output_ids)]
                     if req.sampling.logprobs >= 0 else None)
         req.num_emitted = len(req.output_ids)
-        req.sink.emit(ReqOutput(
+        out = ReqOutput(
             rid=req.rid, new_token_ids=list(new), num_output_tokens=len(req.output_ids),
             prompt_tokens=len(req.prompt_ids), finished=req.finished,
             finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
-            timeline=req.timeline, new_logprobs=logprobs))
+            timeline=req.timeline, new_logprobs=logprobs)
+        if self.outbox is None:
+            req.sink.emit(out)
+        else:
+            self.outbox.append((req.sink, out))
 
     def finish_request(self, req: Req, reason: dict[str, Any]) -> None:
         req.finish_reason = reason

@@ -141,6 +141,7 @@ class OverlapMixin:
     def read_step(self, sample: PendingSample, reqs: list[Req], kind: str):
         """The step's sampled rows read back (SampleResult); a failure ends its requests, or
         is raised when fatal (a device error surfaces here: the programs ran asynchronously)."""
+        self.flush_outputs()  # what earlier steps emitted goes out while the device works
         try:
             return sample.result()
         except Exception as exc:

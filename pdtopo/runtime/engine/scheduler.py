@@ -168,6 +168,19 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
                  self.page_size)
         if self.step_fault_after is not None:
             self.runner.arm_step_fault(self.step_fault_after)
+        self.outbox = []  # outputs wait for the step's device wait (flush_outputs)
+        try:
+            self.serve_steps()
+        finally:
+            self.flush_outputs()
+            self.outbox = None
+        for req in list(self.reqs.values()):
+            self.finish_request(req, FinishReason.abort("server shutting down", 503))
+        self.alive = False
+        self.publish_stats()
+        log.info("scheduler loop stopped")
+
+    def serve_steps(self) -> None:
         while not self._stop.is_set():
             try:
                 self.step()
@@ -177,11 +190,7 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
                 log.exception("scheduler step failed; failing in-flight requests")
                 for req in list(self.reqs.values()):
                     self.finish_request(req, FinishReason.abort(f"engine error: {exc}"))
-        for req in list(self.reqs.values()):
-            self.finish_request(req, FinishReason.abort("server shutting down", 503))
-        self.alive = False
-        self.publish_stats()
-        log.info("scheduler loop stopped")
+                self.flush_outputs()
 
     def step(self) -> None:
         self.drain_inbox()
@@ -192,6 +201,7 @@ class Scheduler(AdmissionMixin, OutputMixin, StatsMixin, StepErrorsMixin, Overla
         batch = self.schedule()
         if batch is None:
             self.publish_stats()
+            self.flush_outputs()
             if not landing:  # a step that landed tokens did work: no wait before the next
                 self.idle_wait()
             return
