@@ -7,8 +7,9 @@ the matched stop token / stop string (sglang's default, unless `no_stop_trim`).
 `collect(handles, request)` awaits every handle's final output,
 checking for a disconnected client every DISCONNECT_CHECK_S seconds and aborting on it (pages are freed by the
 scheduler). `merged_outputs(handles)` yields `(index, output)` from several handles as they
-come, and aborts whatever is unfinished if the consumer goes away (client disconnect cancels the
-streaming task). Both hand the response to another D when they meet a `HandoffMarker`
+come (each handle's as `latest_outputs` gives them: a consumer that falls behind gets the newest
+of its queued outputs, one event for them all), and aborts whatever is unfinished if the
+consumer goes away (client disconnect cancels the streaming task). Both hand the response to another D when they meet a `HandoffMarker`
 (movable.py). `sse(obj)` frames one Server-Sent Event; `SSE_DONE` ends a stream.
 """
 

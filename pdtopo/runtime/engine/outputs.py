@@ -5,7 +5,7 @@ Data flow, on the scheduler thread, per request and sampled token (`run_batch`, 
 `land`, D's first token from P):
 
     process_new_token(req, token, logprob)       one token (a prompt's first: on_prefill_finished)
-    land_decode_rows(rows, result)               a landed step's decode rows, the clock read and
+    land_decode_rows(batch, result)              a landed step's decode rows, the clock read and
                                                  the token metrics counted once per step
       each: take_token(req, token, ...)
         -> appended to `req.output_ids` (and its logprob when the request asked for them),
@@ -13,7 +13,10 @@ Data flow, on the scheduler thread, per request and sampled token (`run_batch`, 
         -> check_stop(req): max_new_tokens or the context length, EOS (unless ignore_eos), a
            stop token id, a stop string in the last `stop_window` tokens' text
         -> a stop: finish_request(req, reason) (freed, the final output); else emit(req)
-    emit(req)      -> the tokens not yet sent, as one `ReqOutput`, into the request's sink
+    emit(req)      -> the tokens not yet sent, as one `ReqOutput`, into the request's sink;
+                      in the scheduler's loop into `outbox` first, handed to the sinks by
+                      `flush_outputs` before the loop waits for the device or idles (the HTTP
+                      side then streams while the device works: overlap.py's read_step)
     finish_request(req, reason)
                    -> the reason set, `free_request` (out of the queues, its sampler slot
                       released, its pages to the pool: kv_pages.py), FINISHED, dropped from
