@@ -24,13 +24,15 @@ runs `event_loop()`, whose iteration is `step()`:
                          else schedule_decode() (every running request, page tables grown, the
                          newest requests preempted when pages run out; the prefix cache gives
                          back unreferenced pages first)
-    run_batch(batch)  -> runner.forward(chunks), Sampler, then `land_batch`: per request
-                         on_prefill_finished(req, token) or process_new_token(req, token)
+    run_batch(batch)  -> runner.forward(chunks), Sampler, then `land_batch`: the decode rows
+                         at once (land_decode_rows), on_prefill_finished(req, token) per prompt
                          (engine.overlap_schedule: a decode batch, and in the colocated role a
                          prefill or mixed one whose prompt chunks all end their prompts, is
                          launched instead and landed by the next step: overlap.py)
     publish_stats()   -> the snapshot for /pdtopo/state, /get_load and Prometheus
     idle_wait()       -> nothing to run: block on the inbox briefly
+The outputs a step emits wait in `outbox` until the loop next waits for the device or idles
+(`flush_outputs`): the HTTP side streams them while the device works.
 
 Extension points for the PD mixins (override, call super() where it makes sense), beside
 admission.py's (`handle_new_request`, `refuse_request`, ...) and outputs.py's (`finish_request`,

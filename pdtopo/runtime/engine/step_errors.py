@@ -129,6 +129,10 @@ class StepErrorsMixin:
             self.publish_stats()
         except Exception:  # noqa: BLE001 - the exit follows
             log.exception("could not publish the final stats")
+        try:
+            self.flush_outputs()  # the answers go to the HTTP side before the grace starts
+        except Exception:  # noqa: BLE001 - the exit follows
+            log.exception("could not hand the answers over")
         if answered:
             time.sleep(ANSWER_GRACE_S)
         raise EngineStateLost(f"engine device state lost: {type(exc).__name__}: {exc}") from exc

@@ -52,6 +52,9 @@ class LocalPrefillMixin(LocalEngineMixin):
         self.reqs.pop(req.rid, None)
         item = TransferItem(req=req, packed=packed, prompt_len=prompt_len,
                             source=self.engine_name)
+        # its first token goes to the client before a decode engine can emit the second (the
+        # engines share the request's sink; each holds its outputs until it waits: outputs.py)
+        self.flush_outputs()
         if not put_until(self.transfer_backlog, item, self.stopping):
             self.finish_request(req, FinishReason.abort("server shutting down", 503))
             return
