@@ -9,8 +9,8 @@ checking for a disconnected client every DISCONNECT_CHECK_S seconds and aborting
 scheduler). `merged_outputs(handles)` yields `(index, output)` from several handles as they
 come (each handle's as `latest_outputs` gives them: a consumer that falls behind gets the newest
 of its queued outputs, one event for them all), and aborts whatever is unfinished if the
-consumer goes away (client disconnect cancels the streaming task). Both hand the response to another D when they meet a `HandoffMarker`
-(movable.py). `sse(obj)` frames one Server-Sent Event; `SSE_DONE` ends a stream.
+consumer goes away (client disconnect cancels the streaming task). Both hand the response to
+another D when they meet a `HandoffMarker` (movable.py). `sse(obj)` frames one Server-Sent Event; `SSE_DONE` ends a stream.
 """
 
 from __future__ import annotations

@@ -353,7 +353,6 @@ class ModelRunner:
             raise ValueError("forward: chunks is empty")
         packed = pack_chunks(chunks, self.page_size)
         vocab = self.config.vocab_size
-        ends = np.cumsum(packed.lens)
 
         def owner(flat_index: int, counts: np.ndarray) -> int:  # the chunk of a flat entry
             return int(np.searchsorted(np.cumsum(counts), flat_index, side="right"))
@@ -364,7 +363,8 @@ class ModelRunner:
         bad = (packed.tokens < 0) | (packed.tokens >= vocab)
         if bad.any():
             i = owner(int(np.argmax(bad)), packed.lens)
-            ids = packed.tokens[ends[i] - packed.lens[i]:ends[i]]
+            start = int(packed.lens[:i].sum())
+            ids = packed.tokens[start:start + packed.lens[i]]
             raise ValueError(f"chunk {i}: token id out of range [0, {vocab}): "
                              f"min {ids.min()}, max {ids.max()}")
         if (packed.starts < 0).any():
@@ -378,8 +378,8 @@ class ModelRunner:
                 f"(page_size {self.page_size})")
         bad = (packed.pages < 1) | (packed.pages >= self.num_pages)
         if bad.any():
-            i = owner(int(np.argmax(bad)), packed.need)
-            pages = packed.pages[packed.page_offsets[i]:][:packed.need[i]]
+            i = owner(int(np.argmax(bad)), packed.listed)
+            pages = packed.pages[packed.page_offsets[i]:][:packed.listed[i]]
             raise ValueError(f"chunk {i}: page ids must be in [1, {self.num_pages}) "
                              f"(page 0 is reserved), got {pages.tolist()}")
         return packed

@@ -50,6 +50,11 @@ class OutputMixin:
     """Token landing, stop checks and outputs; the Scheduler provides the rest (`metrics`,
     `tokenizer`, `eos_ids`, `free_request`, ...)."""
 
+    # the scheduler's loop holds outputs here between a landing and its next wait (the device's
+    # step, or idle): `flush_outputs`. None (a scheduler driven step by step, tests): emitted
+    # at once
+    outbox: list[tuple[Any, ReqOutput]] | None = None
+
     @staticmethod
     def token_logprob(result: SampleResult, i: int, req: Req) -> TokenLogprob | None:
         """Row i's logprob for `req`, if it asked for logprobs."""
@@ -129,11 +134,6 @@ class OutputMixin:
                 if s in text:
                     return FinishReason.stop_str(s)
         return None
-
-    # the scheduler's loop holds outputs here between a landing and its next wait (the device's
-    # step, or idle): `flush_outputs`. None (a scheduler driven step by step, tests): emitted
-    # at once
-    outbox: list[tuple[Any, ReqOutput]] | None = None
 
     def flush_outputs(self) -> None:
         """The held outputs into their sinks, in the order they were emitted (the event loop

@@ -295,7 +295,7 @@ class Sampler:
         n_rows, n = logits.shape[0], len(rows)
         if n > n_rows:
             raise ValueError(f"{n} sampling rows for logits with {n_rows} rows")
-        if not any(r.needs_full_program for r in rows if r is not GREEDY_ROW):
+        if not any(r.needs_full_program for r in rows):
             return PendingSample({"tokens": self._program(_greedy, logits)(logits)}, n)
         tables = self._tables(logits)
         params = _row_params(rows, n_rows)

@@ -175,14 +175,14 @@ class PackedChunks:
     starts: np.ndarray  # [n] its start_pos
     need: np.ndarray    # [n] pages its context spans after this step
     have: np.ndarray    # [n] pages its page_ids list
+    listed: np.ndarray  # [n] of them in `pages`: min(need, have)
     tokens: np.ndarray  # [sum(lens)] the chunks' new tokens, one chunk after another
-    pages: np.ndarray   # [sum(min(need, have))] each chunk's first `need` pages, likewise
+    pages: np.ndarray   # [sum(listed)] each chunk's first `listed` pages, likewise
 
     @property
     def page_offsets(self) -> np.ndarray:
         """Where each chunk's pages start in `pages`."""
-        taken = np.minimum(self.need, self.have)
-        return np.cumsum(taken) - taken
+        return np.cumsum(self.listed) - self.listed
 
 
 def pack_chunks(chunks: Sequence[Any], page_size: int) -> PackedChunks:
@@ -194,7 +194,7 @@ def pack_chunks(chunks: Sequence[Any], page_size: int) -> PackedChunks:
     starts = np.fromiter((c.start_pos for c in chunks), np.int64, n)
     need = -(-(starts + lens) // page_size)
     have = np.fromiter((len(c.page_ids) for c in chunks), np.int64, n)
-    taken = np.minimum(need, have)
+    listed = np.minimum(need, have)
     try:
         tokens = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), np.int64,
                              int(lens.sum()))
@@ -202,9 +202,9 @@ def pack_chunks(chunks: Sequence[Any], page_size: int) -> PackedChunks:
         bad = next(i for i, c in enumerate(chunks) if np.asarray(c.token_ids).ndim != 1)
         raise ValueError(f"chunk {bad}: token_ids must be a non-empty 1-D sequence") from None
     pages = np.fromiter(chain.from_iterable(
-        c.page_ids[:k] for c, k in zip(chunks, taken.tolist(), strict=True)), np.int64,
-        int(taken.sum()))
-    return PackedChunks(lens, starts, need, have, tokens, pages)
+        c.page_ids[:k] for c, k in zip(chunks, listed.tolist(), strict=True)), np.int64,
+        int(listed.sum()))
+    return PackedChunks(lens, starts, need, have, listed, tokens, pages)
 
 
 def prepare_step(chunks: Sequence[Any], geometry: StepGeometry) -> StepInputs:
@@ -242,8 +242,7 @@ def prepare_packed(packed: PackedChunks, geometry: StepGeometry) -> StepInputs:
     # each sequence's pages lie in packed.pages from page_off on; page j of sequence i is
     # packed.pages[page_off[i] + j], the sequence and column of every listed page below
     page_off = packed.page_offsets.astype(np.int32)
-    listed = np.minimum(packed.need, packed.have).astype(np.int32)
-    page_seq = np.repeat(np.arange(n, dtype=np.int32), listed)
+    page_seq = np.repeat(np.arange(n, dtype=np.int32), packed.listed)
     page_col = np.arange(len(packed.pages), dtype=np.int32) - page_off[page_seq]
     slot_pages = np.zeros(tb, dtype=np.int32)  # padding tokens write the reserved page 0
     slot_offsets = np.zeros(tb, dtype=np.int32)
