@@ -30,6 +30,9 @@ Backlog: more clients than `engine.max_running_requests` (closed loop: each clie
 next request when one ends; 64..256 new tokens each, so requests end at different steps and
 some always wait): steps/s and tokens/s with overlap on / off over the same window of time.
 
+Before it, the ceiling: the most overlap can give with the measured device and host times,
+(device + host) / max(device, host), and the device step under which a host part of 1 ms
+and an overlap of 1.3x can hold together (1 / 0.3 = 3.33 ms: a TPU's step, not this CPU's).
 The last line: `host ms per decode step at batch 256 = X.XX; overlap under backlog = Y.YYx`.
 """
 
@@ -52,6 +55,7 @@ from pathlib import Path
 VOCAB = 131072
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
 PROMPT_LEN = 16
+HOST_GOAL_MS, OVERLAP_GOAL = 1.0, 1.3  # issue 48's goals at batch 256 (the ceiling line)
 DEFAULTS = ["model=hf_local", "model.name=host-step", "engine.max_running_requests=256",
             "engine.max_prefill_tokens=1024", "engine.max_model_len=1024",
             "engine.kv_memory_fraction=null", "engine.num_pages=8192",
@@ -530,6 +534,21 @@ def _get(run: dict, clock: str, thread: str, group: str) -> float:
     return run[f"by_{clock}"].get((thread, group), 0.0)
 
 
+def ceiling(device_ms: float, host_ms: float, batch: int, host_goal: float = HOST_GOAL_MS,
+            overlap_goal: float = OVERLAP_GOAL) -> str:
+    """What overlap can give at all with these times: hiding the host part entirely turns a
+    step of device + host into one of max(device, host), so the speed-up is at most
+    (device + host) / max(device, host); and a host part within `host_goal` gives
+    `overlap_goal` only on a device step of at most host_goal / (overlap_goal - 1) ms."""
+    bound = (device_ms + host_ms) / max(device_ms, host_ms, 1e-9)
+    need = host_goal / (overlap_goal - 1.0)
+    return (f"  ceiling at batch {batch}: overlap gives at most (device + host) / max(device, "
+            f"host) = ({device_ms:.2f} + {host_ms:.2f}) / {max(device_ms, host_ms):.2f} = "
+            f"{bound:.2f}x (all of the host part hidden); host <= {host_goal:.1f} ms and "
+            f"overlap >= {overlap_goal:.1f}x hold together only where the device step takes "
+            f"<= {need:.2f} ms (here {device_ms:.2f} ms)")
+
+
 def report(batches: list[int], tokens: int, dev: dict, off: dict, on: dict, prof: dict,
            back: dict, back_spec: str, header: str) -> str:
     lines = [header]
@@ -601,6 +620,7 @@ def report(batches: list[int], tokens: int, dev: dict, off: dict, on: dict, prof
                  f"{o['waiting_mean']:.0f} (min {min(f['waiting_min'], o['waiting_min'])}) on "
                  f"average; steps overlapped with overlap on: {o['overlapped']:.0%}")
     b = 256 if 256 in batches else batches[-1]
+    lines.append(ceiling(dev[b], off[b]["wall"] - dev[b], b))
     lines.append(f"host ms per decode step at batch {b} = {off[b]['wall'] - dev[b]:.2f}; "
                  f"overlap under backlog = {ratio:.2f}x")
     return "\n".join(lines)
