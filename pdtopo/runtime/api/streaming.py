@@ -169,8 +169,8 @@ async def merged_outputs(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, 
     try:
         if len(handles) == 1:  # the common case: no pump task, no second queue
             async for out in latest_outputs(handles[0]):
-                async for item in _consumed(handles, 0, out):
-                    yield item
+                await _consume(handles[0], out)
+                yield 0, out
             return
         queue: asyncio.Queue[tuple[int, ReqOutput]] = asyncio.Queue()
 
@@ -184,8 +184,8 @@ async def merged_outputs(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, 
             while remaining:
                 i, out = await queue.get()
                 remaining -= bool(out.finished)
-                async for item in _consumed(handles, i, out):
-                    yield item
+                await _consume(handles[i], out)
+                yield i, out
         finally:
             for t in tasks:
                 t.cancel()
@@ -194,15 +194,15 @@ async def merged_outputs(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, 
             h.abort()
 
 
-async def _consumed(handles: Sequence[Handle], i: int,
-                    out: ReqOutput) -> AsyncIterator[tuple[int, ReqOutput]]:
-    """`out` of handle i to the consumer; a `HandoffMarker` hands the response away instead
-    (every earlier event is written by now) and waits to be cancelled with the connection."""
+async def _consume(h: Handle, out: ReqOutput) -> None:
+    """`out` becomes what `h`'s events are built from; a `HandoffMarker` hands the response
+    away instead (every earlier event is written by now) and waits to be cancelled with the
+    connection (a coroutine, not a generator per output: no async generator to create, hook
+    and finalize for every event of a stream)."""
     if isinstance(out, HandoffMarker):
         await out.perform(streamed=True)
         await asyncio.Event().wait()
-    handles[i].last_out = out
-    yield i, out
+    h.last_out = out
 
 
 def abort_error(final: ReqOutput) -> tuple[int, str] | None:
