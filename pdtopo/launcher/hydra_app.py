@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from pdtopo.config.compose import conf_dir
 from pdtopo.launcher.render.run_dir import remove_if_empty
 from pdtopo.launcher.run_dir_claim import claim_default_run_dir
-from pdtopo.logs import quiet_http_clients
+from pdtopo.logs import quiet_http_clients, root_logging_restored
 
 HYDRA_DEFAULTS = ("hydra.output_subdir=null", "hydra/job_logging=stdout",
                   "hydra.help.app_name=pdtopo", "hydra.job.name=pdtopo")
@@ -84,7 +84,8 @@ def run_app(verb: str, argv: Sequence[str], job: Job) -> int:
         overrides.append(f"hydra.run.dir={_quoted(str(claimed))}")
     sys.argv = [f"pdtopo {verb}", *flags, *HYDRA_DEFAULTS, *overrides]
     try:
-        app()
+        with root_logging_restored():  # Hydra's job logging ends with the command
+            app()
     except SystemExit as exc:
         if exc.code not in (0, None):
             return 2
