@@ -44,6 +44,5 @@ def root_logging_restored() -> Iterator[None]:
         for h in [h for h in root.handlers if h not in handlers]:
             root.removeHandler(h)
         for h in handlers:
-            if h not in root.handlers:
-                root.addHandler(h)
+            root.addHandler(h)  # a no-op for one still there
         root.setLevel(level)

@@ -10,7 +10,8 @@ scheduler). `merged_outputs(handles)` yields `(index, output)` from several hand
 come (each handle's as `latest_outputs` gives them: a consumer that falls behind gets the newest
 of its queued outputs, one event for them all), and aborts whatever is unfinished if the
 consumer goes away (client disconnect cancels the streaming task). Both hand the response to
-another D when they meet a `HandoffMarker` (movable.py). `sse(obj)` frames one Server-Sent Event; `SSE_DONE` ends a stream.
+another D when they meet a `HandoffMarker` (movable.py). `sse(obj)` frames one Server-Sent
+Event; `SSE_DONE` ends a stream.
 """
 
 from __future__ import annotations
@@ -197,8 +198,7 @@ async def merged_outputs(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, 
 async def _consume(h: Handle, out: ReqOutput) -> None:
     """`out` becomes what `h`'s events are built from; a `HandoffMarker` hands the response
     away instead (every earlier event is written by now) and waits to be cancelled with the
-    connection (a coroutine, not a generator per output: no async generator to create, hook
-    and finalize for every event of a stream)."""
+    connection."""
     if isinstance(out, HandoffMarker):
         await out.perform(streamed=True)
         await asyncio.Event().wait()
